@@ -1,0 +1,1 @@
+"""The `infinity` command: doctor, tune, bench, verify, demo."""

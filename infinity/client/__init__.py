@@ -1,0 +1,1 @@
+"""The client side: transport to infinityd and the Client API."""

@@ -1,0 +1,289 @@
+"""The one configuration loader: TOML file, then `INFINITY_*` environment, then flags.
+
+Each component owns a small frozen dataclass of settings with its own
+`validate()`; `InfinityConfig` groups them into tables named like the TOML
+tables. A setting has the same name everywhere:
+
+    TOML          [io] queue_depth = 64
+    environment   INFINITY_IO_QUEUE_DEPTH=64
+    flag          --set io.queue_depth=64
+
+Later sources override earlier ones. Unknown tables, keys and `INFINITY_*`
+variables are errors, never silently ignored. The file is found from an
+explicit path, else `INFINITY_CONFIG`, else `~/.config/infinity/infinity.toml`
+when it exists; with none of them the built-in defaults apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from infinity.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+ENV_PREFIX = "INFINITY_"
+ENV_CONFIG_PATH = "INFINITY_CONFIG"
+USER_CONFIG_PATH = Path("~/.config/infinity/infinity.toml")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """The native async I/O engine. `infinity tune DIR` writes this table."""
+
+    backend: str = "auto"  # auto | io_uring | aio | threads
+    block_size_bytes: int = 1 * MiB
+    queue_depth: int = 32
+    num_threads: int = 0  # 0: min(4, cores)
+
+    def validate(self) -> None:
+        _require(
+            self.backend in ("auto", "io_uring", "aio", "threads"),
+            f"io.backend must be auto, io_uring, aio or threads, not {self.backend!r}",
+        )
+        _require(
+            _power_of_two(self.block_size_bytes) and 4 * KiB <= self.block_size_bytes <= 64 * MiB,
+            "io.block_size_bytes must be a power of two between 4096 and 67108864",
+        )
+        _require(1 <= self.queue_depth <= 4096, "io.queue_depth must be between 1 and 4096")
+        _require(0 <= self.num_threads <= 256, "io.num_threads must be between 0 (automatic) and 256")
+
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The NVMe tier: one directory per drive, striped."""
+
+    dirs: tuple[str, ...] = ()
+    capacity_bytes_per_dir: int = 64 * GiB
+    stripe_bytes: int = 4 * MiB
+    file_grow_bytes: int = 256 * MiB  # preallocation step of each directory's extent file
+    direct: str = "auto"  # auto: O_DIRECT where the file system allows it | on | off
+
+    def validate(self) -> None:
+        _require(
+            self.capacity_bytes_per_dir > 0 and self.capacity_bytes_per_dir % (4 * KiB) == 0,
+            "nvme.capacity_bytes_per_dir must be a positive multiple of 4096",
+        )
+        _require(
+            self.stripe_bytes > 0 and self.stripe_bytes % MiB == 0,
+            "nvme.stripe_bytes must be a positive multiple of 1 MiB (1048576), the checksum block",
+        )
+        _require(
+            self.file_grow_bytes > 0 and self.file_grow_bytes % (4 * KiB) == 0,
+            "nvme.file_grow_bytes must be a positive multiple of 4096",
+        )
+        _require(self.direct in ("auto", "on", "off"), "nvme.direct must be auto, on or off")
+        _require(len(set(self.dirs)) == len(self.dirs), "nvme.dirs lists a directory twice")
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    """The daemon's shared-memory CPU tier."""
+
+    budget_bytes: int = 4 * GiB
+    segment_bytes: int = 256 * MiB
+    hugepages: bool = True  # use huge pages where the system allows, silently fall back
+    lock: bool = False  # mlock the segments (needs RLIMIT_MEMLOCK >= budget)
+    prefault: bool = True
+
+    def validate(self) -> None:
+        _require(self.segment_bytes >= 2 * MiB and self.segment_bytes % (2 * MiB) == 0,
+                 "cpu.segment_bytes must be a positive multiple of 2 MiB (2097152)")
+        _require(self.budget_bytes >= self.segment_bytes,
+                 "cpu.budget_bytes must be at least one segment (cpu.segment_bytes)")
+
+
+def _default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return os.path.join(base, "infinity")
+    return f"/tmp/infinity-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """infinityd itself: where it lives and how it judges clients."""
+
+    runtime_dir: str = field(default_factory=_default_runtime_dir)
+    client_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    poison_released: bool = False  # debug: overwrite released slices so stale views show
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
+        _require(self.client_timeout_s > 0, "daemon.client_timeout_s must be positive")
+        _require(
+            0 < self.heartbeat_interval_s < self.client_timeout_s,
+            "daemon.heartbeat_interval_s must be positive and below daemon.client_timeout_s",
+        )
+        _require(self.log_level in ("debug", "info", "warning", "error"),
+                 "daemon.log_level must be debug, info, warning or error")
+
+
+@dataclass(frozen=True)
+class InfinityConfig:
+    """All settings, one table per component."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    source: str = "defaults"  # the file it was read from, for messages
+
+    def validate(self) -> None:
+        self.io.validate()
+        self.nvme.validate()
+        self.cpu.validate()
+        self.daemon.validate()
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
+
+
+TABLES: dict[str, type] = {
+    "io": IOConfig,
+    "nvme": NvmeConfig,
+    "cpu": CpuTierConfig,
+    "daemon": DaemonConfig,
+}
+
+
+def _fields(table: str) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(TABLES[table])}
+
+
+def _coerce(table: str, key: str, raw: Any, *, from_text: bool) -> Any:
+    """Turn a TOML value (or, with from_text, an environment/flag string) into the field's type."""
+    where = f"{table}.{key}"
+    kind = _fields(table)[key].type
+    try:
+        if kind in ("int", int):
+            if from_text:
+                return int(str(raw).replace("_", ""), 0)
+            _require(isinstance(raw, int) and not isinstance(raw, bool), f"{where} must be an integer")
+            return raw
+        if kind in ("float", float):
+            if from_text:
+                return float(raw)
+            _require(isinstance(raw, (int, float)) and not isinstance(raw, bool), f"{where} must be a number")
+            return float(raw)
+        if kind in ("bool", bool):
+            if from_text:
+                text = str(raw).strip().lower()
+                _require(text in ("1", "0", "true", "false", "yes", "no", "on", "off"),
+                         f"{where} must be true or false, not {raw!r}")
+                return text in ("1", "true", "yes", "on")
+            _require(isinstance(raw, bool), f"{where} must be true or false")
+            return raw
+        if kind in ("str", str):
+            _require(isinstance(raw, str), f"{where} must be a string")
+            return raw
+        if kind in ("tuple[str, ...]",):
+            if from_text:
+                return tuple(p for p in str(raw).split(os.pathsep if os.pathsep in str(raw) else ",") if p)
+            _require(isinstance(raw, list) and all(isinstance(x, str) for x in raw),
+                     f"{where} must be a list of strings")
+            return tuple(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: cannot read {raw!r} ({exc})") from None
+    raise ConfigError(f"{where}: unsupported setting type {kind}")
+
+
+def _apply(values: dict[str, dict[str, Any]], table: str, key: str, raw: Any, *,
+           from_text: bool, origin: str) -> None:
+    if table not in TABLES:
+        raise ConfigError(f"{origin}: unknown table [{table}]; known tables: {', '.join(TABLES)}")
+    if key not in _fields(table):
+        known = ", ".join(_fields(table))
+        raise ConfigError(f"{origin}: unknown setting {table}.{key}; [{table}] has: {known}")
+    values.setdefault(table, {})[key] = _coerce(table, key, raw, from_text=from_text)
+
+
+def find_config_path(explicit: str | os.PathLike[str] | None = None,
+                     *, env: Mapping[str, str] | None = None) -> Path | None:
+    """The config file that `load_config` would read, or None for built-in defaults."""
+    env = os.environ if env is None else env
+    if explicit:
+        return Path(explicit).expanduser()
+    if env.get(ENV_CONFIG_PATH):
+        return Path(env[ENV_CONFIG_PATH]).expanduser()
+    user = USER_CONFIG_PATH.expanduser()
+    return user if user.exists() else None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                env: Mapping[str, str] | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> InfinityConfig:
+    """Read the file, the environment and the flag overrides, validate, and return the settings.
+
+    `overrides` is either `["io.queue_depth=64", ...]` (flag text) or a mapping
+    `{"io.queue_depth": 64}` of already-typed values.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {}
+    config_path = find_config_path(path, env=env)
+    source = "defaults"
+    if config_path is not None:
+        try:
+            with open(config_path, "rb") as f:
+                document = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {config_path} does not exist; create it or unset "
+                              f"{ENV_CONFIG_PATH}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_path} is not valid TOML: {exc}") from None
+        for table, entries in document.items():
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{config_path}: top-level key {table!r} must be a [table]")
+            for key, raw in entries.items():
+                _apply(values, table, key, raw, from_text=False, origin=str(config_path))
+        source = str(config_path)
+
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_PATH:
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        table, _, key = rest.partition("_")
+        _apply(values, table, key, raw, from_text=True, origin=f"environment variable {name}")
+
+    items = overrides.items() if isinstance(overrides, Mapping) else (
+        _split_flag(text) for text in overrides)
+    for dotted, raw in items:
+        table, _, key = dotted.partition(".")
+        _apply(values, table, key, raw, from_text=isinstance(raw, str) and not isinstance(overrides, Mapping),
+               origin=f"setting {dotted}")
+
+    try:
+        config = InfinityConfig(
+            **{table: TABLES[table](**values.get(table, {})) for table in TABLES}, source=source)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+    config.validate()
+    return config
+
+
+def _split_flag(text: str) -> tuple[str, str]:
+    dotted, sep, raw = text.partition("=")
+    if not sep or "." not in dotted:
+        raise ConfigError(f"setting {text!r} must look like table.key=value, e.g. io.queue_depth=64")
+    return dotted.strip(), raw.strip()

@@ -1,0 +1,1 @@
+"""infinityd internals: lifecycle, server loop, catalog, CPU tier. Clients never import this."""

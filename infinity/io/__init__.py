@@ -1,0 +1,1 @@
+"""Typed Python API over the native async I/O engine: futures, aligned buffers."""

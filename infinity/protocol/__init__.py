@@ -1,0 +1,1 @@
+"""The wire format between clients and infinityd: schemas, codec, protocol version."""

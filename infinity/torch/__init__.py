@@ -1,0 +1,1 @@
+"""Torch integration: module hooks and the offloaded optimizer (see the roadmap)."""
