@@ -1,0 +1,72 @@
+"""The `infinity` command: one subcommand per module of infinity.cli, dispatched here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from infinity.errors import InfinityError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (default: $INFINITY_CONFIG, then "
+                        "~/.config/infinity/infinity.toml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="override one setting, e.g. --set io.queue_depth=64 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infinity", description="Infinity: tiered tensor store tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="check this machine and the configured store directories")
+    _add_config_flags(doctor)
+    doctor.add_argument("dirs", nargs="*", help="extra directories to check (besides nvme.dirs)")
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    tune = sub.add_parser("tune", help="sweep I/O settings on a directory and write the best into [io]")
+    _add_config_flags(tune)
+    tune.add_argument("dir", help="a directory on the drive to tune for")
+    tune.add_argument("--file-bytes", type=int, default=256 << 20,
+                      help="bytes moved per setting tried (default 256 MiB)")
+    tune.add_argument("--quick", action="store_true", help="try only a few settings (for tests)")
+    tune.add_argument("--dry-run", action="store_true", help="print the best settings, write nothing")
+
+    demo = sub.add_parser("demo", help="start infinityd and run a demonstration through it")
+    _add_config_flags(demo)
+    demo.add_argument("--dir", default=".infinity-demo",
+                      help="folder for the demo's store and runtime files (default ./.infinity-demo)")
+    demo.add_argument("--io-bytes", type=int, default=1 << 30,
+                      help="bytes the I/O part writes and reads back (default 1 GiB)")
+
+    verify = sub.add_parser("verify", help="check every stored tensor's checksums")
+    _add_config_flags(verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "doctor":
+            from infinity.cli import doctor
+            return doctor.run(args)
+        if args.command == "tune":
+            from infinity.cli import tune
+            return tune.run(args)
+        if args.command == "demo":
+            from infinity.cli import demo
+            return demo.run(args)
+        if args.command == "verify":
+            from infinity.cli import verify
+            return verify.run(args)
+    except InfinityError as exc:
+        print(f"infinity {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

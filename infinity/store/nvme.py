@@ -1,0 +1,403 @@
+"""The NVMe tier: tensor bytes in preallocated extent files, one per store directory, striped.
+
+`NvmeTier` owns the directories' extent files and their `ExtentAllocator`s and
+turns "write these bytes" / "read this tensor back" into batches of I/O ops for
+the native engine. It knows nothing about names, namespaces or sockets: it
+hands out a `TensorLayout` (where the bytes went and their checksums) that
+whoever keeps the catalog persists, and takes it back to read or free.
+
+Layout rules (fixed, because checksums and restarts depend on them):
+- capacity is nbytes rounded up to 4 KiB; the padding is written as zeros;
+- the capacity is cut into stripes of `nvme.stripe_bytes` (a multiple of 1 MiB)
+  dealt round robin over the directories; each directory keeps all of that
+  tensor's stripes in one contiguous extent;
+- one CRC32C per 1 MiB block of the capacity, in tensor order.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from infinity.config import MiB, NvmeConfig
+from infinity.errors import (
+    DiskFullError,
+    InvalidRequestError,
+    OutOfRangeError,
+    StoreDirectoryError,
+    StoreFullError,
+)
+from infinity.io import IOEngine, IOFuture, IOOp, aligned_empty
+from infinity.store.allocator import Extent, ExtentAllocator
+
+PAGE_BYTES = 4096
+CRC_BLOCK_BYTES = 1 * MiB
+EXTENT_FILE_NAME = "infinity-extents.dat"
+
+
+def round_up(nbytes: int, multiple: int) -> int:
+    return (nbytes + multiple - 1) // multiple * multiple
+
+
+def _tensor_address(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def deal_stripes(capacity_bytes: int, stripe_bytes: int, num_slots: int) -> list[tuple[int, int, int]]:
+    """Deal a capacity's stripes round robin: (slot, offset within the slot's extent, length).
+
+    A tensor with fewer stripes than directories uses only as many slots as it has stripes.
+    """
+    num_slots = max(1, min(num_slots, (capacity_bytes + stripe_bytes - 1) // stripe_bytes))
+    plan, used = [], [0] * num_slots
+    for k, start in enumerate(range(0, capacity_bytes, stripe_bytes)):
+        length = min(stripe_bytes, capacity_bytes - start)
+        slot = k % num_slots
+        plan.append((slot, used[slot], length))
+        used[slot] += length
+    return plan
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where a tensor's bytes live on the NVMe tier, and their checksums."""
+
+    nbytes: int
+    stripe_bytes: int
+    extents: tuple[tuple[int, Extent], ...]  # (directory index, extent), in dealing order
+    crcs: tuple[int, ...]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return round_up(self.nbytes, PAGE_BYTES)
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain dict (msgpack / SQLite friendly)."""
+        return {
+            "nbytes": self.nbytes,
+            "stripe_bytes": self.stripe_bytes,
+            "extents": [[d, e.offset_bytes, e.length_bytes] for d, e in self.extents],
+            "crcs": list(self.crcs),
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "TensorLayout":
+        return cls(
+            nbytes=int(data["nbytes"]),
+            stripe_bytes=int(data["stripe_bytes"]),
+            extents=tuple((int(d), Extent(int(o), int(n))) for d, o, n in data["extents"]),
+            crcs=tuple(int(c) for c in data["crcs"]),
+        )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One I/O op's worth of a tensor: a stripe, or the part of it a range covers."""
+
+    dir_index: int
+    file_offset_bytes: int
+    tensor_offset_bytes: int
+    nbytes: int
+
+
+class NvmeDirectory:
+    """One store directory: its extent file, its allocator, and how it is opened."""
+
+    def __init__(self, path: str, *, index: int, config: NvmeConfig) -> None:
+        self.path = os.path.abspath(path)
+        self.index = index
+        self.capacity_bytes = config.capacity_bytes_per_dir
+        self.grow_bytes = config.file_grow_bytes
+        if not os.path.isdir(self.path):
+            raise StoreDirectoryError(
+                f"store directory {self.path} does not exist or is not a directory; "
+                f"create it (mkdir -p {self.path}) or fix nvme.dirs")
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise StoreDirectoryError(
+                f"store directory {self.path} is not writable by this user; "
+                f"fix its permissions or choose another directory in nvme.dirs")
+        self.file_path = os.path.join(self.path, EXTENT_FILE_NAME)
+        self.direct, self.mode_reason = self._open(config.direct)
+        size = os.fstat(self.fd).st_size
+        if size % PAGE_BYTES:
+            os.close(self.fd)
+            raise StoreDirectoryError(
+                f"{self.file_path} has a size that is not a multiple of 4096; it was not written "
+                f"by Infinity: move it away")
+        self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
+
+    def _open(self, direct_setting: str) -> tuple[bool, str]:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        if direct_setting != "off":
+            try:
+                self.fd = os.open(self.file_path, flags | os.O_DIRECT, 0o600)
+                return True, "O_DIRECT"
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or direct_setting == "on":
+                    raise StoreDirectoryError(
+                        f"cannot open {self.file_path} with O_DIRECT: {exc.strerror}; "
+                        + ("set nvme.direct = \"auto\" to fall back to buffered I/O"
+                           if exc.errno == errno.EINVAL else "check the directory")) from None
+        try:
+            self.fd = os.open(self.file_path, flags, 0o600)
+        except OSError as exc:
+            raise StoreDirectoryError(f"cannot open {self.file_path}: {exc.strerror}") from None
+        if direct_setting == "off":
+            return False, "buffered: nvme.direct = off"
+        return False, "buffered: the file system refuses O_DIRECT (tmpfs or ramfs?), pread/pwrite pool"
+
+    def grow_for(self, nbytes: int) -> bool:
+        """Extend the extent file so that `nbytes` more could fit; False at the capacity limit."""
+        current = self.allocator.capacity_bytes
+        if current >= self.capacity_bytes:
+            return False
+        target = min(self.capacity_bytes, current + max(self.grow_bytes, round_up(nbytes, PAGE_BYTES)))
+        try:
+            os.posix_fallocate(self.fd, current, target - current)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise DiskFullError(
+                    f"the file system of {self.path} has no room to grow the store to {target} bytes "
+                    f"({exc.strerror}); free space there, lower nvme.capacity_bytes_per_dir, or add "
+                    f"another directory to nvme.dirs") from None
+            raise StoreDirectoryError(f"cannot grow {self.file_path}: {exc.strerror}") from None
+        self.allocator.grow(target)
+        return True
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        while True:
+            extent = self.allocator.allocate(nbytes)
+            if extent is not None:
+                return extent
+            if not self.grow_for(nbytes):
+                return None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class NvmeWrite:
+    """A write in flight: its layout is known at once, its checksums once `result()` returns."""
+
+    def __init__(self, layout: TensorLayout, future: IOFuture, crcs: torch.Tensor,
+                 keepalive: Sequence[object], on_failure: Callable[[], None]) -> None:
+        self._layout = layout
+        self.future = future
+        self._crcs = crcs
+        self._keepalive = keepalive  # staging buffers must outlive the I/O
+        self._on_failure = on_failure
+        self._final: TensorLayout | None = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout_s: float | None = None) -> TensorLayout:
+        if self._final is None:
+            try:
+                self.future.result(timeout_s)
+            except BaseException:
+                self._on_failure()
+                raise
+            crcs = tuple(int(c) & 0xFFFFFFFF for c in self._crcs.tolist())
+            self._final = TensorLayout(self._layout.nbytes, self._layout.stripe_bytes,
+                                       self._layout.extents, crcs)
+            self._keepalive = ()
+        return self._final
+
+
+class NvmeTier:
+    """Tensor extents over one or more directories, moved by the native engine."""
+
+    def __init__(self, config: NvmeConfig, engine: IOEngine) -> None:
+        if not config.dirs:
+            raise StoreDirectoryError("no NVMe directories configured; set nvme.dirs to one "
+                                      "directory per drive")
+        self.config = config
+        self.engine = engine
+        self.stripe_bytes = config.stripe_bytes
+        self._lock = threading.Lock()
+        self.directories: list[NvmeDirectory] = []
+        try:
+            for i, path in enumerate(config.dirs):
+                self.directories.append(NvmeDirectory(path, index=i, config=config))
+        except BaseException:
+            self.close()
+            raise
+
+    # --- layout -----------------------------------------------------------
+
+    def _pieces(self, layout: TensorLayout, start: int, end: int) -> list[_Piece]:
+        """The ops covering bytes [start, end) of a layout's capacity, one per stripe touched."""
+        pieces = []
+        for k, (slot, offset_in_extent, length) in enumerate(
+                deal_stripes(layout.capacity_bytes, layout.stripe_bytes, len(layout.extents))):
+            d, extent = layout.extents[slot]
+            stripe_start = k * layout.stripe_bytes
+            lo, hi = max(start, stripe_start), min(end, stripe_start + length)
+            if lo < hi:
+                pieces.append(_Piece(d, extent.offset_bytes + offset_in_extent + (lo - stripe_start),
+                                     lo, hi - lo))
+        return pieces
+
+    # --- space ------------------------------------------------------------
+
+    def allocate(self, nbytes: int) -> TensorLayout:
+        """Reserve extents for a tensor of `nbytes` (no I/O); StoreFullError if it cannot fit."""
+        if nbytes <= 0:
+            raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
+        capacity = round_up(nbytes, PAGE_BYTES)
+        per_dir: dict[int, int] = {}
+        for d, _, length in deal_stripes(capacity, self.stripe_bytes, len(self.directories)):
+            per_dir[d] = per_dir.get(d, 0) + length
+        taken: list[tuple[int, Extent]] = []
+        with self._lock:
+            for d, length in per_dir.items():
+                extent = self.directories[d].allocate(length)
+                if extent is None:
+                    for dd, e in taken:
+                        self.directories[dd].allocator.free(e)
+                    raise StoreFullError(
+                        f"the NVMe tier has no room for {nbytes} bytes in {self.directories[d].path} "
+                        f"(capacity {self.directories[d].capacity_bytes} bytes, "
+                        f"{self.directories[d].allocator.free_bytes} free); delete tensors, raise "
+                        f"nvme.capacity_bytes_per_dir, or add a directory to nvme.dirs")
+                taken.append((d, extent))
+        return TensorLayout(nbytes, self.stripe_bytes, tuple(taken), ())
+
+    def free(self, layout: TensorLayout) -> None:
+        """Give a tensor's extents back for reuse."""
+        with self._lock:
+            for d, extent in layout.extents:
+                self.directories[d].allocator.free(extent)
+
+    def adopt(self, layout: TensorLayout) -> None:
+        """Mark a persisted layout's extents as used (rebuilding the space map at restart)."""
+        with self._lock:
+            for d, extent in layout.extents:
+                directory = self.directories[d]
+                while directory.allocator.capacity_bytes < extent.end_bytes:
+                    if not directory.grow_for(extent.end_bytes - directory.allocator.capacity_bytes):
+                        raise StoreDirectoryError(
+                            f"{directory.file_path} is shorter than the catalog says; restore it or "
+                            f"run `infinity verify`")
+                directory.allocator.reserve(extent)
+
+    # --- I/O --------------------------------------------------------------
+
+    def _ops(self, pieces: list[_Piece], address: int, *, is_write: bool, crc_address: int,
+             first_block: int) -> list[IOOp]:
+        ops = []
+        for p in pieces:
+            directory = self.directories[p.dir_index]
+            block = p.tensor_offset_bytes // CRC_BLOCK_BYTES - first_block
+            make = IOOp.write if is_write else IOOp.read
+            ops.append(make(fd=directory.fd, address=address + p.tensor_offset_bytes,
+                            nbytes=p.nbytes, offset=p.file_offset_bytes, direct=directory.direct,
+                            crc_address=(crc_address + 4 * block) if crc_address else 0,
+                            crc_block_bytes=CRC_BLOCK_BYTES))
+        return ops
+
+    def write_from(self, address: int, nbytes: int, *, layout: TensorLayout | None = None,
+                   keepalive: Sequence[object] = ()) -> NvmeWrite:
+        """Write `nbytes` from a 4 KiB-aligned buffer readable up to nbytes rounded up to 4 KiB
+        (those padding bytes must be zero). A fresh layout is allocated unless one is given."""
+        if address % PAGE_BYTES:
+            raise InvalidRequestError("write_from needs a 4 KiB-aligned address; use write_tensor")
+        fresh = layout is None
+        layout = self.allocate(nbytes) if layout is None else layout
+        if layout.nbytes != nbytes:
+            raise InvalidRequestError(f"layout holds {layout.nbytes} bytes, not {nbytes}")
+        crcs = torch.zeros(len(range(0, layout.capacity_bytes, CRC_BLOCK_BYTES)), dtype=torch.int32)
+        ops = self._ops(self._pieces(layout, 0, layout.capacity_bytes), address, is_write=True,
+                        crc_address=crcs.data_ptr(), first_block=0)
+        on_failure: Callable[[], None] = (lambda: self.free(layout)) if fresh else (lambda: None)
+        try:
+            future = self.engine.submit(ops)
+        except BaseException:
+            on_failure()
+            raise
+        return NvmeWrite(layout, future, crcs, (*keepalive, crcs), on_failure)
+
+    def write_tensor(self, tensor: torch.Tensor, *, layout: TensorLayout | None = None) -> NvmeWrite:
+        """Write a CPU tensor's bytes; an unaligned or odd-sized tensor goes through a staging copy."""
+        if tensor.device.type != "cpu":
+            raise InvalidRequestError("the NVMe tier writes CPU tensors; call .cpu() first")
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if _tensor_address(tensor) % PAGE_BYTES == 0 and nbytes % PAGE_BYTES == 0:
+            return self.write_from(_tensor_address(tensor), nbytes, layout=layout, keepalive=(tensor,))
+        staging = aligned_empty(nbytes)
+        staging[:nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        return self.write_from(_tensor_address(staging), nbytes, layout=layout, keepalive=(staging,))
+
+    def read_into(self, layout: TensorLayout, address: int, *, offset_bytes: int = 0,
+                  nbytes: int | None = None) -> IOFuture:
+        """Read tensor bytes [offset, offset + nbytes) into a 4 KiB-aligned buffer, checksums verified.
+
+        The range must start on a 1 MiB checksum block and end on one or at the tensor's end, so that
+        every block read is verified whole. The buffer must hold the range rounded up to 4 KiB.
+        """
+        nbytes = layout.nbytes - offset_bytes if nbytes is None else nbytes
+        end = offset_bytes + nbytes
+        if offset_bytes < 0 or nbytes <= 0 or end > layout.nbytes:
+            raise OutOfRangeError(
+                f"bytes [{offset_bytes}, {end}) reach past the end of a {layout.nbytes}-byte tensor; "
+                f"read at most {layout.nbytes - max(offset_bytes, 0)} bytes from offset {offset_bytes}")
+        if offset_bytes % CRC_BLOCK_BYTES or (end % CRC_BLOCK_BYTES and end != layout.nbytes):
+            raise InvalidRequestError(
+                f"partial reads must start and end on 1 MiB boundaries (or at the end of the tensor) "
+                f"so that their checksums can be verified; got [{offset_bytes}, {end})")
+        if address % PAGE_BYTES:
+            raise InvalidRequestError("read_into needs a 4 KiB-aligned address; use read_tensor")
+        if not layout.crcs:
+            raise InvalidRequestError("this layout has no checksums yet: wait for its write to finish")
+        stop = round_up(end, PAGE_BYTES) if end == layout.nbytes else end
+        first_block = offset_bytes // CRC_BLOCK_BYTES
+        last_block = (stop + CRC_BLOCK_BYTES - 1) // CRC_BLOCK_BYTES
+        expected = torch.tensor([c - (1 << 32) if c >= 1 << 31 else c
+                                 for c in layout.crcs[first_block:last_block]], dtype=torch.int32)
+        ops = self._ops(self._pieces(layout, offset_bytes, stop), address - offset_bytes,
+                        is_write=False, crc_address=expected.data_ptr(), first_block=first_block)
+        return self.engine.submit(ops, keepalive=expected)
+
+    def read_tensor(self, layout: TensorLayout, out: torch.Tensor) -> None:
+        """Read a whole tensor into `out` (any CPU tensor of exactly `layout.nbytes` bytes), blocking."""
+        nbytes = out.numel() * out.element_size()
+        if nbytes > layout.nbytes:
+            raise OutOfRangeError(
+                f"reading {nbytes} bytes reaches past the end of a {layout.nbytes}-byte tensor; "
+                f"pass an output of exactly {layout.nbytes} bytes")
+        if nbytes != layout.nbytes:
+            raise InvalidRequestError(f"the output holds {nbytes} bytes; the tensor has {layout.nbytes}")
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise InvalidRequestError("read_tensor needs a contiguous CPU output tensor")
+        if _tensor_address(out) % PAGE_BYTES == 0 and nbytes % PAGE_BYTES == 0:
+            self.read_into(layout, _tensor_address(out)).result()
+            return
+        staging = aligned_empty(nbytes)
+        self.read_into(layout, _tensor_address(staging)).result()
+        out.reshape(-1).view(torch.uint8).copy_(staging[:nbytes])
+
+    # --- reporting ----------------------------------------------------------
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{
+            "path": d.path,
+            "direct": d.direct,
+            "mode": d.mode_reason,
+            "capacity_bytes": d.capacity_bytes,
+            "file_bytes": d.allocator.capacity_bytes,
+            "used_bytes": d.allocator.used_bytes,
+        } for d in self.directories]
+
+    def close(self) -> None:
+        for d in self.directories:
+            d.close()

@@ -1,0 +1,212 @@
+"""Shared fixtures. Stores live on a real disk (O_DIRECT needs one): under /var/tmp, never a tmpfs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+DISK_TMP_ROOT = os.environ.get("INFINITY_TEST_DISK_DIR", "/var/tmp")
+
+
+@pytest.fixture
+def disk_tmp() -> Iterator[str]:
+    """A fresh directory on the real disk, removed afterwards."""
+    path = tempfile.mkdtemp(prefix="infinity-test-", dir=DISK_TMP_ROOT)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _mount(fstype: str, options: str | None) -> Iterator[str]:
+    """Mount a real small file system for a test; skip (saying why) where mounting is not allowed."""
+    import subprocess
+
+    path = tempfile.mkdtemp(prefix=f"infinity-{fstype}-", dir=DISK_TMP_ROOT)
+    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + ["none", path]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount {fstype} here ({result.stderr.strip() or 'not root'}); "
+                    f"this test needs root to create a real {fstype}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+        os.rmdir(path)
+
+
+@pytest.fixture
+def ramfs_dir() -> Iterator[str]:
+    """A real ramfs: a file system that refuses O_DIRECT (tmpfs accepts it on recent kernels)."""
+    yield from _mount("ramfs", None)
+
+
+@pytest.fixture
+def tiny_tmpfs_dir() -> Iterator[str]:
+    """A real 8 MiB tmpfs, to fill up."""
+    yield from _mount("tmpfs", "size=8m")
+
+
+# --- infinityd: real daemon processes in private runtime folders -----------------------------
+# (used by tests/test_daemon_*.py, test_client_*.py and test_protocol_*.py)
+
+import select  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+# Small tiers and short timeouts keep the daemon suite fast; tests override what they exercise.
+DAEMON_TEST_SETTINGS: dict[str, Any] = {
+    "cpu.budget_bytes": 64 * 1024 * 1024,
+    "cpu.segment_bytes": 8 * 1024 * 1024,
+    "daemon.client_timeout_s": 2.0,
+    "daemon.heartbeat_interval_s": 0.2,
+    "daemon.request_timeout_s": 10.0,
+    "daemon.start_timeout_s": 30.0,
+    "daemon.log_level": "debug",
+}
+
+
+def short_tmp_root() -> str:
+    """A fresh folder short enough for Unix socket paths (108 bytes), on the real disk."""
+    return tempfile.mkdtemp(prefix="inf-", dir=DISK_TMP_ROOT)
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
+    """Poll `predicate` until it returns something true; for states the daemon exposes only
+    through `stats` (there is no event to wait on from outside)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+@dataclass
+class RunningDaemon:
+    """An `infinityd run` child process with its settings, runtime folder and log."""
+
+    config: Any  # infinity.config.InfinityConfig
+    process: subprocess.Popen[bytes]
+    root: str
+    log_path: str
+
+    @property
+    def runtime_dir(self) -> str:
+        return str(self.config.daemon.runtime_dir)
+
+    def connect(self, name: str = "test") -> Any:
+        import infinity
+
+        return infinity.connect(config=self.config, name=name)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def assert_serving(self) -> None:
+        assert self.process.poll() is None, f"infinityd exited:\n{self.log()[-3000:]}"
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"infinityd did not stop on SIGTERM:\n{self.log()[-3000:]}")
+        return self.process.returncode
+
+
+def daemon_settings_file(root: str) -> str:
+    """An empty settings file, so neither ~/.config nor INFINITY_CONFIG leaks into a test."""
+    path = os.path.join(root, "settings.toml")
+    with open(path, "w") as f:
+        f.write("# infinityd test settings: everything comes from --set flags\n")
+    return path
+
+
+def clean_environment() -> dict[str, str]:
+    from infinity.protocol.paths import child_environment
+
+    return {k: v for k, v in child_environment().items() if not k.startswith("INFINITY_")}
+
+
+def start_daemon_process(root: str, **overrides: Any) -> RunningDaemon:
+    """Start `infinityd run` in `root`/rt with the test settings plus `overrides`
+    (keys like "cpu.budget_bytes"); returns once it serves."""
+    from infinity.config import load_config
+
+    settings = {**DAEMON_TEST_SETTINGS, "daemon.runtime_dir": os.path.join(root, "rt"), **overrides}
+    settings_file = daemon_settings_file(root)
+    config = load_config(settings_file, env={}, overrides=settings)
+    flags = [arg for key, value in settings.items()
+             for arg in ("--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
+    log_path = os.path.join(root, "infinityd.log")
+    read_end, write_end = os.pipe()
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),
+             "--config", settings_file, *flags],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, pass_fds=(write_end,),
+            env=clean_environment())
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 60)
+        message = os.read(read_end, 64) if ready else b""
+    finally:
+        os.close(read_end)
+    daemon = RunningDaemon(config, process, root, log_path)
+    if message != b"ready\n":
+        daemon.stop()
+        raise AssertionError(f"infinityd did not start:\n{daemon.log()[-3000:]}")
+    return daemon
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[Callable[..., RunningDaemon]]:
+    """Start daemons with extra settings: `daemon_factory(**{"cpu.budget_bytes": ...})`."""
+    started: list[RunningDaemon] = []
+    roots: list[str] = []
+
+    def start(**overrides: Any) -> RunningDaemon:
+        root = short_tmp_root()
+        roots.append(root)
+        started.append(start_daemon_process(root, **overrides))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.stop()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., RunningDaemon]) -> RunningDaemon:
+    """A real infinityd with the small test settings."""
+    return daemon_factory()
+
+
+@pytest.fixture
+def client(daemon: RunningDaemon) -> Iterator[Any]:
+    """A client of `daemon`, closed afterwards."""
+    connection = daemon.connect("pytest")
+    try:
+        yield connection
+    finally:
+        connection.close()

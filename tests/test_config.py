@@ -1,0 +1,69 @@
+"""The one configuration loader: file, environment, flags; unknown names are errors."""
+
+from pathlib import Path
+
+import pytest
+
+from infinity.config import load_config
+from infinity.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "infinity.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_apply_without_a_file() -> None:
+    config = load_config(env={})
+    assert config.io.queue_depth == 32
+    assert config.source == "defaults"
+
+
+def test_file_environment_and_flags_override_in_that_order(tmp_path: Path) -> None:
+    path = write(tmp_path, "[io]\nqueue_depth = 8\nblock_size_bytes = 262144\n")
+    env = {"INFINITY_IO_QUEUE_DEPTH": "16"}
+    config = load_config(path, env=env, overrides=["io.block_size_bytes=524288"])
+    assert config.io.queue_depth == 16
+    assert config.io.block_size_bytes == 524288
+
+
+def test_config_path_comes_from_the_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, "[nvme]\ndirs = [\"/a\", \"/b\"]\n")
+    assert load_config(env={"INFINITY_CONFIG": str(path)}).nvme.dirs == ("/a", "/b")
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "[io]\nqueue_dept = 8\n")
+    with pytest.raises(ConfigError, match="unknown setting io.queue_dept"):
+        load_config(path, env={})
+
+
+def test_unknown_table_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown table \[gpu\]"):
+        load_config(write(tmp_path, "[gpu]\nx = 1\n"), env={})
+
+
+def test_unknown_environment_variable_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="INFINITY_IO_DEPTH"):
+        load_config(env={"INFINITY_IO_DEPTH": "3"})
+
+
+def test_wrong_type_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="io.queue_depth must be an integer"):
+        load_config(write(tmp_path, "[io]\nqueue_depth = \"deep\"\n"), env={})
+
+
+def test_out_of_range_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="block_size_bytes must be a power of two"):
+        load_config(env={}, overrides=["io.block_size_bytes=3000"])
+
+
+def test_malformed_flag_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="table.key=value"):
+        load_config(env={}, overrides=["queue_depth"])
+
+
+def test_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})

@@ -1,0 +1,178 @@
+"""NvmeTier: tensors written to and read back from extent files on the real disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from infinity.config import MiB, NvmeConfig, IOConfig
+from infinity.errors import (
+    ChecksumError,
+    DiskFullError,
+    OutOfRangeError,
+    StoreDirectoryError,
+    StoreFullError,
+)
+from infinity.io import IOEngine
+from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier, TensorLayout
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64,
+          torch.float64, torch.bool, torch.complex64]
+
+
+@pytest.fixture
+def engine():
+    with IOEngine.from_config(IOConfig(num_threads=2, queue_depth=16)) as eng:
+        yield eng
+
+
+def make_tier(engine: IOEngine, *dirs: str, **settings) -> NvmeTier:
+    settings.setdefault("file_grow_bytes", 8 * MiB)
+    settings.setdefault("stripe_bytes", 1 * MiB)
+    return NvmeTier(NvmeConfig(dirs=tuple(dirs), **settings), engine)
+
+
+def random_tensor(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).bool()
+    return raw.view(dtype)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 1023, 4099, 262_147, 1_000_003])
+def test_round_trip_is_bit_exact(engine, disk_tmp, dtype, numel) -> None:
+    tier = make_tier(engine, disk_tmp)
+    src = random_tensor(numel, dtype, seed=numel)
+    layout = tier.write_tensor(src).result()
+    out = torch.empty_like(src)
+    tier.read_tensor(layout, out)
+    assert bitwise_equal(src, out)
+
+
+def test_many_writes_and_reads_in_flight_at_once(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp)
+    sources = [random_tensor(100_000 + 4097 * i, torch.float32, seed=i) for i in range(48)]
+    writes = [tier.write_tensor(s) for s in sources]  # all submitted before any is awaited
+    layouts = [w.result() for w in writes]
+    from infinity.io import aligned_empty
+
+    outs = [aligned_empty(layout.capacity_bytes) for layout in layouts]
+    reads = [tier.read_into(layout, out.data_ptr()) for layout, out in zip(layouts, outs)]
+    for future in reads:
+        future.result()
+    for src, out, layout in zip(sources, outs, layouts):
+        assert bitwise_equal(src, out[:layout.nbytes])
+
+
+def test_padding_to_4k_is_zero_on_disk(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp)
+    layout = tier.write_tensor(torch.full((5,), 0xAB, dtype=torch.uint8)).result()
+    (d, extent), = layout.extents
+    with open(os.path.join(disk_tmp, EXTENT_FILE_NAME), "rb") as f:
+        f.seek(extent.offset_bytes)
+        block = f.read(4096)
+    assert block[:5] == b"\xab" * 5 and block[5:] == bytes(4091)
+
+
+def test_large_tensor_stripes_over_two_directories(engine, disk_tmp) -> None:
+    first, second = os.path.join(disk_tmp, "a"), os.path.join(disk_tmp, "b")
+    os.mkdir(first)
+    os.mkdir(second)
+    tier = make_tier(engine, first, second)
+    src = random_tensor(5 * MiB + 12345, torch.uint8, seed=3)
+    layout = tier.write_tensor(src).result()
+    assert sorted(d for d, _ in layout.extents) == [0, 1]
+    # Six 1 MiB stripes dealt round robin: three in each directory.
+    assert [e.length_bytes for _, e in layout.extents] == [3 * MiB, 2 * MiB + 16384]
+    out = torch.empty_like(src)
+    tier.read_tensor(layout, out)
+    assert bitwise_equal(src, out)
+
+
+def test_freed_extents_are_reused(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, capacity_bytes_per_dir=4 * MiB)
+    first = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=1)).result()
+    tier.free(first)
+    second = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=2)).result()
+    assert second.extents == first.extents
+
+
+def test_layout_survives_the_wire_and_a_reopened_tier(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp)
+    src = random_tensor(2 * MiB + 3, torch.uint8, seed=9)
+    wire = tier.write_tensor(src).result().to_wire()
+    tier.close()
+    reopened = make_tier(engine, disk_tmp)
+    layout = TensorLayout.from_wire(wire)
+    reopened.adopt(layout)
+    out = torch.empty_like(src)
+    reopened.read_tensor(layout, out)
+    assert bitwise_equal(src, out)
+    assert reopened.allocate(4096).extents[0][1].offset_bytes >= layout.extents[0][1].end_bytes
+
+
+def test_ramfs_falls_back_to_buffered_io(engine, ramfs_dir) -> None:
+    tier = make_tier(engine, ramfs_dir)
+    assert tier.describe()[0]["direct"] is False
+    src = random_tensor(3 * MiB + 5, torch.int16, seed=4)
+    out = torch.empty_like(src)
+    tier.read_tensor(tier.write_tensor(src).result(), out)
+    assert bitwise_equal(src, out)
+
+
+def test_missing_directory_is_a_clear_error(engine, disk_tmp) -> None:
+    with pytest.raises(StoreDirectoryError, match="does not exist"):
+        make_tier(engine, os.path.join(disk_tmp, "missing"))
+
+
+def test_read_past_the_end_is_refused(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp)
+    layout = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=5)).result()
+    with pytest.raises(OutOfRangeError, match="past the end"):
+        tier.read_tensor(layout, torch.empty(3 * MiB + 1, dtype=torch.uint8))
+    from infinity.io import aligned_empty
+
+    with pytest.raises(OutOfRangeError):
+        tier.read_into(layout, aligned_empty(4 * MiB).data_ptr(), offset_bytes=2 * MiB, nbytes=2 * MiB)
+    out = torch.empty(3 * MiB, dtype=torch.uint8)
+    tier.read_tensor(layout, out)  # the tier still serves
+
+
+def test_corrupted_block_is_reported_not_served(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp)
+    layout = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=6)).result()
+    _, extent = layout.extents[0]
+    with open(os.path.join(disk_tmp, EXTENT_FILE_NAME), "r+b") as f:
+        f.seek(extent.offset_bytes + MiB + 100)
+        byte = f.read(1)
+        f.seek(extent.offset_bytes + MiB + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumError):
+        tier.read_tensor(layout, torch.empty(3 * MiB, dtype=torch.uint8))
+
+
+def test_configured_capacity_full_is_a_typed_error(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, capacity_bytes_per_dir=2 * MiB)
+    tier.write_tensor(random_tensor(MiB, torch.uint8, seed=7)).result()
+    with pytest.raises(StoreFullError, match="no room"):
+        tier.write_tensor(random_tensor(2 * MiB, torch.uint8, seed=8))
+    tier.write_tensor(random_tensor(MiB, torch.uint8, seed=9)).result()  # what fits still fits
+
+
+def test_full_file_system_is_a_typed_error(engine, tiny_tmpfs_dir) -> None:
+    tier = make_tier(engine, tiny_tmpfs_dir, capacity_bytes_per_dir=64 * MiB, file_grow_bytes=4 * MiB)
+    kept = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=10)).result()
+    with pytest.raises(DiskFullError, match="no room to grow"):
+        tier.write_tensor(random_tensor(16 * MiB, torch.uint8, seed=11))
+    out = torch.empty(3 * MiB, dtype=torch.uint8)
+    tier.read_tensor(kept, out)
+    assert bitwise_equal(random_tensor(3 * MiB, torch.uint8, seed=10), out)
