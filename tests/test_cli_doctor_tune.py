@@ -1,0 +1,67 @@
+"""`infinity doctor` reports what it finds; `infinity tune` writes settings the loader then applies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from infinity.config import load_config
+
+
+def infinity_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "infinity.cli.main", *args], capture_output=True,
+                          text=True, timeout=240, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+
+
+def findings_by_area(stdout: str) -> dict[str, dict[str, str]]:
+    return {f["area"]: f for f in json.loads(stdout)}
+
+
+def test_doctor_reports_o_direct_on_a_real_disk(disk_tmp: str) -> None:
+    result = infinity_cli("doctor", "--json", disk_tmp)
+    found = findings_by_area(result.stdout)
+    assert found[f"O_DIRECT {disk_tmp}"]["status"] == "ok"
+    for area in ("io_uring", "kernel AIO", "CPU SIMD", "memory", "locked memory", "huge pages", "NUMA"):
+        assert area in found, area
+
+
+def test_doctor_warns_where_o_direct_is_refused(ramfs_dir: str) -> None:
+    found = findings_by_area(infinity_cli("doctor", "--json", ramfs_dir).stdout)
+    finding = found[f"O_DIRECT {ramfs_dir}"]
+    assert finding["status"] == "warn" and "refuses O_DIRECT" in finding["seen"]
+
+
+def test_doctor_fails_for_a_missing_directory(disk_tmp: str) -> None:
+    missing = str(Path(disk_tmp) / "absent")
+    result = infinity_cli("doctor", "--json", missing)
+    assert result.returncode == 1
+    assert "mkdir -p" in findings_by_area(result.stdout)[f"O_DIRECT {missing}"]["advice"]
+
+
+def test_doctor_flags_a_cpu_tier_that_cannot_be_locked(disk_tmp: str) -> None:
+    result = infinity_cli("doctor", "--json", "--set", "cpu.lock=true", "--set",
+                          f"cpu.budget_bytes={64 << 40}", disk_tmp)
+    found = findings_by_area(result.stdout)
+    assert found["memory"]["status"] == "fail"
+    assert result.returncode == 1
+
+
+def test_tune_writes_the_io_table_and_keeps_the_rest(disk_tmp: str) -> None:
+    config = Path(disk_tmp) / "infinity.toml"
+    config.write_text("# my settings\n[io]\nbackend = \"auto\"\n\n[daemon]\nclient_timeout_s = 7.5\n")
+    result = infinity_cli("tune", "--quick", "--file-bytes", str(64 << 20), "--config", str(config), disk_tmp)
+    assert result.returncode == 0, result.stderr
+    best = json.loads(result.stdout)["best"]
+    loaded = load_config(config, env={})
+    assert (loaded.io.block_size_bytes, loaded.io.queue_depth, loaded.io.num_threads) == (
+        best["block_size_bytes"], best["queue_depth"], best["num_threads"])
+    assert loaded.daemon.client_timeout_s == 7.5
+    assert config.read_text().startswith("# my settings")
+
+
+def test_tune_refuses_a_missing_directory(disk_tmp: str) -> None:
+    result = infinity_cli("tune", "--quick", "--dry-run", str(Path(disk_tmp) / "absent"))
+    assert result.returncode == 2
+    assert "not a directory" in result.stderr
