@@ -9,8 +9,11 @@ chosen at run time, so one build runs on any x86-64 CPU.
 import glob
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the sources in parallel (INFINITY_BUILD_JOBS, default: all cores).
+ParallelCompile("INFINITY_BUILD_JOBS", default=0).install()
 
 extra_compile_args = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra"]
 extra_link_args: list[str] = ["-pthread"]

@@ -1,0 +1,115 @@
+"""Loads `infinity._native` on first use and gives it static types.
+
+The extension is compiled from native/ by setup.py. Importing `infinity.io`
+never fails because it is missing; the first call that needs it raises
+`IOEngineError` saying how to build it. The Protocol classes below describe
+the extension's API for mypy (see docs/ARCHITECTURE.md, "Native core").
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Protocol, Sequence, cast
+
+from infinity.errors import IOEngineError
+
+# (is_write, fd, buf_addr, nbytes, file_offset, direct, crc_addr, crc_block_bytes)
+OpTuple = tuple[bool, int, int, int, int, bool, int, int]
+
+
+class NativeEngine(Protocol):
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def backend_note(self) -> str: ...
+
+    @property
+    def completion_fd(self) -> int: ...
+
+    def submit(self, ops: Sequence[OpTuple]) -> int: ...
+
+    def poll(self) -> list[tuple[int, int, str]]: ...
+
+    def wait(self, batch_id: int, timeout_s: float = -1.0) -> tuple[int, str]: ...
+
+    def close(self) -> None: ...
+
+
+class NativeAlignedBuffer(Protocol):
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def alignment(self) -> int: ...
+
+    @property
+    def locked(self) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+class NativeModule(Protocol):
+    AlignmentError: type[ValueError]
+
+    def Engine(  # noqa: N802 - a class in the extension
+        self, num_threads: int, queue_depth: int, block_size_bytes: int, backend: str = "auto"
+    ) -> NativeEngine: ...
+
+    def AlignedBuffer(  # noqa: N802
+        self, nbytes: int, alignment: int = 4096, lock: bool = False
+    ) -> NativeAlignedBuffer: ...
+
+    def crc32c(self, addr: int, nbytes: int, seed: int = 0) -> int: ...
+
+    def crc32c_buffer(self, data: object, seed: int = 0) -> int: ...
+
+    def crc32c_portable(self, data: object, seed: int = 0) -> int: ...
+
+    def crc32c_implementation(self) -> str: ...
+
+    def simd_level(self) -> str: ...
+
+    def probe_io_uring(self) -> tuple[bool, str]: ...
+
+    def probe_aio(self) -> tuple[bool, str]: ...
+
+
+_lock = threading.Lock()
+_module: NativeModule | None = None
+
+
+def native() -> NativeModule:
+    """The loaded extension; raises IOEngineError with build instructions if it is missing."""
+    global _module
+    if _module is None:
+        with _lock:
+            if _module is None:
+                try:
+                    _module = cast(NativeModule, importlib.import_module("infinity._native"))
+                except ImportError as exc:
+                    raise IOEngineError(
+                        f"the native extension infinity._native is not available ({exc}); build it with "
+                        "`pip install .` or, in a source checkout, `python setup.py build_ext --inplace` "
+                        "(needs a C++17 compiler and the kernel headers)"
+                    ) from exc
+    return _module
+
+
+def simd_level() -> str:
+    """The CPU's vector level as the native kernels see it: avx512, avx2, sse4.2 or scalar."""
+    return native().simd_level()
+
+
+def probe_io_uring() -> tuple[bool, str]:
+    """Whether io_uring works in this process, and a sentence saying why not."""
+    return native().probe_io_uring()
+
+
+def probe_aio() -> tuple[bool, str]:
+    """Whether kernel AIO works in this process, and a sentence saying why not."""
+    return native().probe_aio()

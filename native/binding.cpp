@@ -1,0 +1,191 @@
+// The only file that knows about Python. Every call that can block (I/O
+// waits, thread joins, checksums of large buffers, big allocations) runs
+// with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "aligned_buffer.h"
+#include "cpu.h"
+#include "crc32c.h"
+#include "engine.h"
+#include "errors.h"
+#include "kaio.h"
+#include "uring.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+infinity::OpSpec parse_op(const py::handle& item, size_t i) {
+  py::tuple t;
+  try {
+    t = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("op " + std::to_string(i) + " is not a tuple; each op is (is_write, fd, buf_addr, "
+                         "nbytes, file_offset, direct, crc_addr, crc_block_bytes)");
+  }
+  if (t.size() != 8)
+    throw py::value_error("op " + std::to_string(i) + " has " + std::to_string(t.size()) +
+                          " fields, not 8; each op is (is_write, fd, buf_addr, nbytes, file_offset, direct, crc_addr, "
+                          "crc_block_bytes)");
+  try {
+    infinity::OpSpec s;
+    s.is_write = t[0].cast<bool>();
+    s.fd = t[1].cast<int64_t>();
+    s.buf_addr = t[2].cast<uint64_t>();
+    s.nbytes = t[3].cast<int64_t>();
+    s.file_offset = t[4].cast<int64_t>();
+    s.direct = t[5].cast<bool>();
+    s.crc_addr = t[6].cast<uint64_t>();
+    s.crc_block_bytes = t[7].cast<int64_t>();
+    return s;
+  } catch (const py::cast_error&) {
+    throw py::type_error("op " + std::to_string(i) + " has a field of the wrong type: " +
+                         py::str(item).cast<std::string>() + " (expected bool, int, int, int, int, bool, int, int)");
+  }
+}
+
+py::tuple result_tuple(const infinity::BatchResult& r) { return py::make_tuple(r.id, r.err, r.message); }
+
+// Bytes of a C-contiguous buffer; anything strided would be checksummed wrong.
+size_t contiguous_bytes(const py::buffer_info& info) {
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    const size_t i = static_cast<size_t>(d);
+    if (info.shape[i] > 1 && info.strides[i] != expect)
+      throw py::value_error("crc32c needs a contiguous buffer; copy it first (bytes(view) or tensor.contiguous())");
+    expect *= info.shape[i];
+  }
+  return static_cast<size_t>(info.size * info.itemsize);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Infinity's native core: async I/O engine, CRC32C, aligned memory.";
+
+  static py::exception<infinity::AlignmentViolation> alignment_error(m, "AlignmentError", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const infinity::AlignmentViolation& e) {
+      py::set_error(alignment_error, e.what());
+    } catch (const infinity::SysError& e) {
+      py::object err = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "is", e.err(), e.what()));
+      if (err) PyErr_SetObject(PyExc_OSError, err.ptr());
+    }
+  });
+
+  m.def(
+      "crc32c",
+      [](uint64_t addr, int64_t nbytes, uint32_t seed) {
+        if (nbytes < 0) throw py::value_error("nbytes is " + std::to_string(nbytes) + "; it must be >= 0");
+        if (nbytes > 0 && addr == 0) throw py::value_error("address is 0 (a null pointer)");
+        py::gil_scoped_release nogil;
+        return infinity::crc32c(reinterpret_cast<const void*>(addr), static_cast<size_t>(nbytes), seed);
+      },
+      "addr"_a, "nbytes"_a, "seed"_a = 0,
+      "CRC32C (Castagnoli) of nbytes at addr; pass a previous result as seed to continue it.");
+  m.def(
+      "crc32c_buffer",
+      [](py::buffer data, uint32_t seed) {
+        py::buffer_info info = data.request();
+        const size_t n = contiguous_bytes(info);
+        py::gil_scoped_release nogil;
+        return infinity::crc32c(info.ptr, n, seed);
+      },
+      "data"_a, "seed"_a = 0, "CRC32C of a contiguous bytes-like object.");
+  m.def(
+      "crc32c_portable",
+      [](py::buffer data, uint32_t seed) {
+        py::buffer_info info = data.request();
+        const size_t n = contiguous_bytes(info);
+        py::gil_scoped_release nogil;
+        return infinity::crc32c_portable(info.ptr, n, seed);
+      },
+      "data"_a, "seed"_a = 0, "CRC32C by the table method (for tests comparing the two paths).");
+  m.def("crc32c_implementation", &infinity::crc32c_implementation);
+  m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");
+  m.def("probe_io_uring", &infinity::probe_io_uring, py::call_guard<py::gil_scoped_release>(),
+        "(usable, reason): whether io_uring works here, and why not.");
+  m.def("probe_aio", &infinity::probe_aio, py::call_guard<py::gil_scoped_release>(),
+        "(usable, reason): whether kernel AIO works here, and why not.");
+
+  py::class_<infinity::AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+      .def(py::init<size_t, size_t, bool>(), "nbytes"_a, "alignment"_a = 4096, "lock"_a = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("address",
+                             [](const infinity::AlignedBuffer& b) { return reinterpret_cast<uint64_t>(b.data()); })
+      .def_property_readonly("nbytes", &infinity::AlignedBuffer::nbytes)
+      .def_property_readonly("alignment", &infinity::AlignedBuffer::alignment)
+      .def_property_readonly("locked", &infinity::AlignedBuffer::locked)
+      .def("__len__", &infinity::AlignedBuffer::nbytes)
+      .def("__repr__",
+           [](const infinity::AlignedBuffer& b) {
+             return "<AlignedBuffer " + std::to_string(b.nbytes()) + " bytes at " +
+                    infinity::hex(reinterpret_cast<uint64_t>(b.data())) + (b.locked() ? ", locked>" : ">");
+           })
+      .def_buffer([](infinity::AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes())}, {static_cast<py::ssize_t>(1)},
+                               /*readonly=*/false);
+      });
+
+  py::class_<infinity::Engine>(m, "Engine")
+      .def(py::init<int, int, int64_t, const std::string&>(), "num_threads"_a, "queue_depth"_a,
+           "block_size_bytes"_a, "backend"_a = "auto", py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("backend", &infinity::Engine::backend)
+      .def_property_readonly("backend_note", &infinity::Engine::backend_note)
+      .def_property_readonly("completion_fd", &infinity::Engine::completion_fd)
+      .def(
+          "submit",
+          [](infinity::Engine& e, const py::sequence& ops) {
+            std::vector<infinity::OpSpec> specs;
+            specs.reserve(ops.size());
+            for (size_t i = 0; i < ops.size(); ++i) specs.push_back(parse_op(ops[i], i));
+            py::gil_scoped_release nogil;
+            return e.submit(specs);
+          },
+          "ops"_a)
+      .def("poll",
+           [](infinity::Engine& e) {
+             std::vector<infinity::BatchResult> done;
+             {
+               py::gil_scoped_release nogil;
+               done = e.poll();
+             }
+             py::list out;
+             for (const auto& r : done) out.append(result_tuple(r));
+             return out;
+           })
+      .def(
+          "wait",
+          [](infinity::Engine& e, uint64_t batch_id, double timeout_s) {
+            infinity::BatchResult r;
+            infinity::WaitStatus st;
+            {
+              py::gil_scoped_release nogil;
+              st = e.wait(batch_id, timeout_s, &r);
+            }
+            if (st == infinity::WaitStatus::kTimeout) {
+              PyErr_SetString(PyExc_TimeoutError,
+                              ("batch " + std::to_string(batch_id) + " did not complete in time").c_str());
+              throw py::error_already_set();
+            }
+            if (st == infinity::WaitStatus::kUnknown)
+              throw py::key_error("batch " + std::to_string(batch_id) + " is unknown or was already reported");
+            return py::make_tuple(r.err, r.message);
+          },
+          "batch_id"_a, "timeout_s"_a = -1.0)
+      .def("close", &infinity::Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](infinity::Engine& e, py::args) {
+        py::gil_scoped_release nogil;
+        e.close();
+      });
+}

@@ -1,0 +1,151 @@
+// The asynchronous I/O engine: batches of reads and writes on raw buffers,
+// split into blocks and carried out by worker threads over io_uring, kernel
+// AIO or pread/pwrite, with optional CRC32C per block. No Python in here.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace infinity {
+
+class UringRing;
+class AioContext;
+
+struct OpSpec {
+  bool is_write = false;
+  int64_t fd = -1;
+  uint64_t buf_addr = 0;
+  int64_t nbytes = 0;
+  int64_t file_offset = 0;
+  bool direct = true;
+  uint64_t crc_addr = 0;  // 0: no checksums
+  int64_t crc_block_bytes = 0;
+};
+
+struct BatchResult {
+  uint64_t id = 0;
+  int err = 0;  // 0, or the positive errno of the batch's first failed op
+  std::string message;
+};
+
+enum class WaitStatus { kDone, kTimeout, kUnknown };
+
+namespace detail {
+struct Op;
+struct Batch;
+
+struct Chunk {
+  Op* op = nullptr;
+  uint64_t pos = 0;   // from the start of the op
+  uint64_t len = 0;
+  uint64_t done = 0;  // bytes already transferred (short transfers resume here)
+  uint32_t retries = 0;
+};
+
+struct WorkQueue {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Op*> ops;  // ops with bytes not yet handed to a worker
+  // Chunks whose data has arrived and whose CRC block is due, for any idle
+  // worker to take: the disk tends to complete a deep queue in bursts that
+  // belong to one worker. A fixed ring, so no allocation per chunk.
+  std::vector<Chunk> crc_ring;
+  size_t crc_head = 0;
+  size_t crc_count = 0;
+  std::atomic<size_t> crc_pending{0};  // crc_count, readable without the lock
+  bool stopping = false;
+};
+}  // namespace detail
+
+class Engine {
+ public:
+  // backend: "auto" | "io_uring" | "aio" | "threads". Throws
+  // std::invalid_argument for bad arguments and std::runtime_error when a
+  // named backend cannot be used here (the message says why).
+  Engine(int num_threads, int queue_depth, int64_t block_size_bytes, const std::string& backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const std::string& backend() const noexcept { return backend_; }
+  // Why "auto" did not pick io_uring (empty when it did or was not asked).
+  const std::string& backend_note() const noexcept { return backend_note_; }
+  int completion_fd() const;
+
+  // Validates every op first (std::invalid_argument / AlignmentViolation),
+  // then queues them all and returns the batch id at once.
+  uint64_t submit(const std::vector<OpSpec>& ops);
+  // Completed batches not yet reported; never blocks. Drains completion_fd.
+  std::vector<BatchResult> poll();
+  // timeout_s < 0: no limit. kUnknown: no such batch, or already reported.
+  WaitStatus wait(uint64_t batch_id, double timeout_s, BatchResult* out);
+  // Cancels ops that have not started (ECANCELED), waits for those in flight,
+  // stops the threads. Idempotent; poll() and wait() keep working after it.
+  void close();
+
+ private:
+  enum class Kind { kUring, kAio, kThreads };
+  enum class Outcome { kRetry, kFinished };
+
+  std::string try_uring();
+  std::string try_aio();
+  void start_async_threads();
+  void ensure_sync_pool();
+  void stop_threads() noexcept;
+
+  void uring_worker(size_t index);
+  void aio_worker(size_t index);
+  void sync_worker();
+
+  size_t take_chunks(detail::WorkQueue& q, detail::Chunk* out, size_t max);
+  Outcome on_result(detail::Chunk& c, int64_t res);
+  void complete_chunk(detail::Chunk& c);
+  void crc_account(const detail::Chunk& c);
+  void crc_job(detail::Chunk& c);
+  void skip_chunk(detail::Chunk& c);
+  void publish_crc(detail::WorkQueue& q, std::vector<detail::Chunk>& local);
+  void run_crc_jobs(detail::WorkQueue& q, std::vector<detail::Chunk>& local);
+  void fail_chunk(detail::Chunk& c, int err, const std::string& why);
+  void finish_chunk(detail::Chunk& c, uint32_t times = 1);
+  void op_done(detail::Op* op);
+  void batch_done(detail::Batch* b);
+  void record_error(detail::Op* op, int err, const std::string& message);
+  void cancel_queue(detail::WorkQueue& q);
+  std::string call_name(const detail::Op* op) const;
+  std::string describe(const detail::Chunk& c) const;
+
+  const int num_threads_;
+  const int queue_depth_;
+  const uint64_t block_;
+  std::string backend_;
+  std::string backend_note_;
+  Kind kind_ = Kind::kThreads;
+
+  std::vector<std::unique_ptr<UringRing>> rings_;
+  std::vector<std::unique_ptr<AioContext>> aio_;
+  detail::WorkQueue async_q_;  // O_DIRECT ops for the io_uring / aio workers
+  detail::WorkQueue sync_q_;   // pread/pwrite ops
+  std::vector<std::thread> async_threads_;
+  std::vector<std::thread> sync_threads_;
+
+  std::mutex state_mu_;  // closed_, starting the sync pool, enqueueing
+  bool closed_ = false;
+  bool sync_started_ = false;
+
+  std::mutex done_mu_;  // batches_, completed_, Batch::done, efd_
+  std::condition_variable done_cv_;
+  std::unordered_map<uint64_t, std::unique_ptr<detail::Batch>> batches_;
+  std::deque<uint64_t> completed_;
+  int efd_ = -1;
+  std::atomic<uint64_t> next_id_{1};
+};
+
+}  // namespace infinity

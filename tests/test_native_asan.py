@@ -1,0 +1,121 @@
+"""Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC and error paths under it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gcc_library(name: str) -> str | None:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        return None
+    out = subprocess.run([gcc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+    return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+LIBASAN = _gcc_library("libasan.so")
+# python itself does not link libstdc++; ASan must see it at start-up to
+# intercept __cxa_throw, or the first C++ exception aborts the process.
+LIBSTDCXX = _gcc_library("libstdc++.so")
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+
+pytestmark = pytest.mark.skipif(
+    CXX is None or LIBASAN is None,
+    reason="needs g++ and gcc's libasan.so (apt install g++) to build the AddressSanitizer copy",
+)
+
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes, errno, importlib.util, os, random, sys, tempfile
+
+    so_path, work = sys.argv[1], sys.argv[2]
+    spec = importlib.util.spec_from_file_location("infinity._native", so_path)
+    n = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(n)
+
+    MiB = 1 << 20
+    assert n.crc32c_buffer(b"123456789") == 0xE3069283
+    data = random.Random(1).randbytes(3 * MiB + 4096)
+    assert n.crc32c_buffer(data) == n.crc32c_portable(data)
+
+    for backend in ("io_uring", "aio", "threads"):
+        usable = {"io_uring": n.probe_io_uring, "aio": n.probe_aio}.get(backend, lambda: (True, ""))()[0]
+        if not usable:
+            continue
+        eng = n.Engine(2, 4, 256 * 1024, backend)
+        nbytes = len(data)
+        src, dst = n.AlignedBuffer(nbytes), n.AlignedBuffer(nbytes)
+        memoryview(src)[:] = data
+        crcs = (ctypes.c_uint32 * 4)()
+        path = os.path.join(work, backend)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+        assert eng.wait(eng.submit([(True, fd, src.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
+        assert eng.wait(eng.submit([(False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
+        assert bytes(memoryview(dst)) == data
+        with open(path, "r+b") as f:
+            f.seek(MiB)
+            f.write(b"X")
+        err, msg = eng.wait(eng.submit([(False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)]))
+        assert err == errno.EBADMSG, msg
+        err, msg = eng.wait(eng.submit([(False, fd, dst.address, nbytes, 4096, True, 0, 0)]))
+        assert err == errno.EIO, msg
+        try:
+            eng.submit([(True, fd, src.address + 1, 4096, 0, True, 0, 0)])
+            raise SystemExit("alignment not checked")
+        except ValueError:
+            pass
+        err, msg = eng.wait(eng.submit([(False, 1 << 20, dst.address, 4096, 0, True, 0, 0)]))
+        assert err == errno.EBADF, msg
+        plain = os.open(path + ".plain", os.O_RDWR | os.O_CREAT)
+        assert eng.wait(eng.submit([(True, plain, src.address + 3, 5000, 7, False, 0, 0)])) == (0, "")
+        os.close(plain)
+        pending = [eng.submit([(False, fd, dst.address, nbytes, 0, True, 0, 0)]) for _ in range(8)]
+        eng.close()  # cancels what has not started
+        for b in pending:
+            assert eng.wait(b)[0] in (0, errno.ECANCELED)
+        os.close(fd)
+    print("ASAN-SCRIPT-OK")
+    """
+)
+
+
+@pytest.fixture
+def asan_build() -> Iterator[Path]:
+    out = Path(tempfile.mkdtemp(prefix="infinity-asan-", dir="/var/tmp"))
+    try:
+        env = dict(os.environ, INFINITY_NATIVE_ASAN="1")
+        proc = subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
+             "--build-temp", str(out / "tmp")],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        found = list((out / "lib").rglob("_native*.so"))
+        assert len(found) == 1, found
+        yield found[0]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_io_crc_and_error_paths_are_clean_under_address_sanitizer(asan_build: Path, disk_tmp: str) -> None:
+    assert LIBASAN is not None
+    preload = ":".join(p for p in (LIBASAN, LIBSTDCXX) if p)
+    env = dict(os.environ, LD_PRELOAD=preload, ASAN_OPTIONS="detect_leaks=0")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(asan_build), disk_tmp],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert "ERROR: AddressSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "ASAN-SCRIPT-OK" in proc.stdout
