@@ -128,6 +128,8 @@ class DaemonConfig:
     heartbeat_interval_s: float = 1.0
     poison_released: bool = False  # debug: overwrite released slices so stale views show
     log_level: str = "info"
+    request_timeout_s: float = 30.0  # a client gives up on a reply after this long
+    start_timeout_s: float = 30.0  # `infinityd start` / connect(start=True) wait this long for it
 
     def validate(self) -> None:
         _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
@@ -138,6 +140,8 @@ class DaemonConfig:
         )
         _require(self.log_level in ("debug", "info", "warning", "error"),
                  "daemon.log_level must be debug, info, warning or error")
+        _require(self.request_timeout_s > 0, "daemon.request_timeout_s must be positive")
+        _require(self.start_timeout_s > 0, "daemon.start_timeout_s must be positive")
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,8 @@ from typing import Any, Callable  # noqa: E402
 DAEMON_TEST_SETTINGS: dict[str, Any] = {
     "cpu.budget_bytes": 64 * 1024 * 1024,
     "cpu.segment_bytes": 8 * 1024 * 1024,
-    "daemon.client_timeout_s": 2.0,
-    "daemon.heartbeat_interval_s": 0.2,
+    "daemon.client_timeout_s": 5.0,
+    "daemon.heartbeat_interval_s": 0.5,
     "daemon.request_timeout_s": 10.0,
     "daemon.start_timeout_s": 30.0,
     "daemon.log_level": "debug",

@@ -1,0 +1,57 @@
+"""One-off requests to infinityd without a full Client: what `infinityd status` and `stop` use.
+
+No torch and no shared memory: a single channel opens a session, asks, and
+says bye. The session has no fd channel, so the daemon watches it through
+its pidfd or its silence only, which is plenty for one request.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+import zmq
+
+from infinity.client.channel import Channel
+from infinity.config import InfinityConfig
+from infinity.errors import DaemonUnavailableError
+from infinity.protocol import wire
+from infinity.protocol.paths import RuntimeLayout
+
+
+def _request(config: InfinityConfig, message: wire.Request, *, name: str) -> Any:
+    layout = RuntimeLayout(config.daemon.runtime_dir)
+    layout.check()
+    if not layout.daemon_running():
+        raise DaemonUnavailableError(f"no infinityd is running for runtime folder {layout.root}")
+    context = zmq.Context(io_threads=1)
+    channel = Channel(context, layout.control_endpoint, timeout_s=config.daemon.request_timeout_s,
+                      daemon_gone=lambda: None if layout.daemon_running() else "its lock is free")
+    try:
+        hello = channel.call(1, wire.Hello(wire.PROTOCOL_VERSION, name, os.getpid(),
+                                           psutil.Process().create_time()))
+        if hello.failure is not None:
+            raise hello.failure.exception()
+        reply = channel.call(2, message)
+        if reply.failure is not None:
+            raise reply.failure.exception()
+        result = reply.results[0]
+        if isinstance(result, wire.ItemError):
+            raise result.exception()
+        if not isinstance(message, wire.Shutdown):
+            channel.send(3, wire.Bye(), expect_reply=False)
+        return result
+    finally:
+        channel.close(linger_ms=200)
+        context.term()
+
+
+def daemon_stats(config: InfinityConfig) -> dict[str, Any]:
+    """The daemon's `stats` map."""
+    return wire.decode_stats(_request(config, wire.Stats(), name="infinityd status"))
+
+
+def shutdown_daemon(config: InfinityConfig) -> None:
+    """Ask the daemon to stop cleanly; returns once it has acknowledged."""
+    _request(config, wire.Shutdown(), name="infinityd stop")

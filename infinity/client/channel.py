@@ -1,0 +1,104 @@
+"""One thread's ZeroMQ DEALER socket to infinityd: send a request, wait for its reply by id.
+
+ZeroMQ sockets must not be used by two threads at once, so each client thread
+gets its own channel (attached to the same session) instead of sharing one
+socket behind a lock: a request costs one send and one blocking receive on
+the caller's own thread, with no hand-off to another thread. Several requests
+may be in flight on one channel; replies that arrive for another request are
+kept by id until asked for. The blocking receive wakes every `TICK_S` to check
+that the daemon is still there, so a dead daemon is reported in well under a
+second and a silent one after the request timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+import zmq
+
+from infinity.errors import DaemonUnavailableError
+from infinity.protocol import wire
+
+TICK_S = 0.1
+
+
+class Channel:
+    """A DEALER socket and the replies it is waiting for. Used by one thread at a time."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, *, timeout_s: float,
+                 daemon_gone: Callable[[], str | None]) -> None:
+        self.sock = context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(TICK_S * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock.connect(endpoint)
+        self.timeout_s = timeout_s
+        self._pid = os.getpid()
+        self._daemon_gone = daemon_gone
+        self._waiting: set[int] = set()
+        self._stash: dict[int, wire.Reply] = {}
+
+    def send(self, request_id: int, message: wire.Request, *, expect_reply: bool,
+             releases: Sequence[int] = ()) -> None:
+        data = wire.encode_request(request_id, message, releases)
+        if expect_reply:
+            self._waiting.add(request_id)
+        try:
+            self.sock.send(data)
+        except zmq.Again:
+            self._waiting.discard(request_id)
+            raise DaemonUnavailableError(
+                f"infinityd did not take a {message.OP} request within {self.timeout_s:g}s "
+                f"(daemon.request_timeout_s); is it running? (infinityd status)") from None
+
+    def wait(self, request_id: int, *, what: str) -> wire.Reply:
+        if self._stash:
+            reply = self._stash.pop(request_id, None)
+            if reply is not None:
+                return reply
+        deadline = 0.0  # set on the first tick: a prompt reply never reads the clock
+        recv = self.sock.recv
+        while True:
+            try:
+                data = recv()
+            except zmq.Again:
+                if not deadline:
+                    deadline = time.monotonic() + self.timeout_s - TICK_S
+                gone = self._daemon_gone()
+                if gone is not None:
+                    self._waiting.discard(request_id)
+                    raise DaemonUnavailableError(
+                        f"infinityd went away during {what}: {gone}; restart it "
+                        f"(infinityd start) and connect again") from None
+                if time.monotonic() > deadline:
+                    self._waiting.discard(request_id)
+                    raise DaemonUnavailableError(
+                        f"infinityd did not answer {what} within {self.timeout_s:g}s "
+                        f"(daemon.request_timeout_s); check `infinityd status` and its log") from None
+                continue
+            reply = wire.decode_reply(data)
+            rid = reply.request_id
+            if rid == request_id:
+                self._waiting.discard(rid)
+                return reply
+            if rid in self._waiting:
+                self._waiting.discard(rid)
+                self._stash[rid] = reply
+            # Anything else answers a request nobody waits for (a refused no-reply request).
+
+    def call(self, request_id: int, message: wire.Request, *,
+             releases: Sequence[int] = ()) -> wire.Reply:
+        self.send(request_id, message, expect_reply=True, releases=releases)
+        return self.wait(request_id, what=message.OP)
+
+    def close(self, *, linger_ms: int = 0) -> None:
+        """`linger_ms` lets a last no-reply message (bye) leave before the socket goes."""
+        if os.getpid() == self._pid:  # a forked child must not touch its parent's sockets
+            self.sock.close(linger=linger_ms)
+
+    def __del__(self) -> None:
+        # The channel of a thread that ended goes with the thread's locals; its socket with it.
+        if not self.sock.closed:
+            self.close()

@@ -1,0 +1,465 @@
+"""The Client API: connect to infinityd, lease tensors as shared-memory views, write new versions.
+
+    client = infinity.connect()
+    client.put("w", torch.randn(4, 4))                 # reserve + copy + commit
+    with client.get("w") as w:                         # a view of shared memory, leased
+        y = x @ w
+    views = client.reserve({"g": (torch.float32, (4, 4))})
+    views["g"].copy_(grad); client.commit("g")         # readers of the old "g" keep it
+
+A Client is thread-safe: each thread talks through its own channel (see
+`channel`), all in one session. A background thread sends heartbeats so an
+idle client keeps its leases. After fork() the child's copy refuses to work
+(ForkedClientError): the child must call `infinity.connect()` itself. Batched
+calls send one request for all names; when some items fail, the others still
+take effect and the first error is raised (a batched `get` releases what it
+got before raising).
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import itertools
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import psutil
+import torch
+import zmq
+
+from infinity.client.channel import Channel
+from infinity.client.segments import SegmentMap, dtype_name
+from infinity.config import InfinityConfig, load_config
+from infinity.errors import DaemonUnavailableError, ForkedClientError, InfinityError
+from infinity.protocol import wire
+from infinity.protocol.paths import RuntimeLayout
+from infinity.protocol.wire import ItemError, Placement
+
+# What reserve() accepts per name: a tensor to mimic, or (dtype, shape).
+TensorSpec = Union[torch.Tensor, tuple[torch.dtype, Sequence[int]]]
+Names = Union[str, Sequence[str]]
+
+_LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+# Released shared leases wait for the next message up to this many, then go at once.
+MAX_PENDING_RELEASES = 4096
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_LIVE_CLIENTS):
+        client._forked = True
+
+
+def _close_all_at_exit() -> None:
+    for client in list(_LIVE_CLIENTS):
+        try:
+            client.close()
+        except Exception:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)
+
+
+def _names(names: Names) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    return list(names)
+
+
+class Lease:
+    """Leased views; released on `release()` or when a `with` block ends.
+
+    Using a view after release is undefined: the daemon may free or reuse its
+    memory (with `daemon.poison_released` it is overwritten with 0xFF bytes).
+    Releasing a shared lease is told to the daemon with the client's next message
+    (see `Client.flush`); an exclusive one at once.
+    """
+
+    __slots__ = ("_client", "_ids", "tensors", "_results", "_single", "_exclusive", "_released")
+
+    def __init__(self, client: Client, ids: list[int], tensors: list[torch.Tensor],
+                 results: Sequence[Any], *, single: bool, exclusive: bool) -> None:
+        self._client = client
+        self._ids = ids
+        self.tensors = tensors
+        self._results = results
+        self._single = single
+        self._exclusive = exclusive
+        self._released = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @property
+    def versions(self) -> list[int]:
+        """The version number of each leased tensor, in order."""
+        return [Placement.from_wire(result).version for result in self._results]
+
+    @property
+    def version(self) -> int:
+        return self.versions[0]
+
+    def __enter__(self) -> Any:
+        return self.tensors[0] if self._single else self.tensors
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.tensors = []
+            self._client._release(self._ids, exclusive=self._exclusive)
+
+
+class Client:
+    """A session with infinityd. Create it with `infinity.connect()`."""
+
+    def __init__(self, config: InfinityConfig, layout: RuntimeLayout, *, name: str) -> None:
+        self.config = config
+        self.layout = layout
+        self.name = name
+        self._pid = os.getpid()
+        self._forked = False
+        self._closed = False
+        self._timeout_s = config.daemon.request_timeout_s
+        self._context = zmq.Context(io_threads=1)
+        self._local = threading.local()
+        self._channels_lock = threading.Lock()
+        # Weak: a thread's channel lives in its thread-local storage and ends with the thread.
+        self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+        self._request_ids = itertools.count(1)
+        self._pending_lock = threading.Lock()
+        self._pending_releases: list[int] = []  # shared leases released but not yet told
+        self._segments: SegmentMap | None = None
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        try:
+            channel = self._new_channel()
+            reply = channel.call(next(self._request_ids), wire.Hello(
+                wire.PROTOCOL_VERSION, name, os.getpid(), psutil.Process().create_time()))
+            welcome = wire.Welcome.from_wire(self._results(reply)[0])
+            self._local.channel = channel
+            self.client_id = welcome.client_id
+            self.daemon_pid = welcome.daemon_pid
+            self.daemon_version = welcome.daemon_version
+            self._token = welcome.token
+            self._segments = SegmentMap(layout.fds_path, welcome.token, timeout_s=self._timeout_s)
+        except BaseException:
+            self._teardown(send_bye=False)
+            raise
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, args=(welcome.heartbeat_interval_s,),
+            name=f"infinity-heartbeat-{self.client_id}", daemon=True)
+        self._heartbeat.start()
+        _LIVE_CLIENTS.add(self)
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _daemon_gone(self) -> str | None:
+        return None if self._segments is None else self._segments.daemon_gone()
+
+    def _new_channel(self) -> Channel:
+        channel = Channel(self._context, self.layout.control_endpoint, timeout_s=self._timeout_s,
+                          daemon_gone=self._daemon_gone)
+        with self._channels_lock:
+            self._channels.add(channel)
+        return channel
+
+    def _check_usable(self) -> None:
+        if self._forked:
+            raise ForkedClientError(
+                f"this infinity Client was created in process {self._pid} and cannot be used in "
+                f"its forked child {os.getpid()}; call infinity.connect() again in the child")
+        if self._closed:
+            raise DaemonUnavailableError("this infinity Client is closed; call infinity.connect()")
+
+    def _channel(self) -> Channel:
+        channel: Channel | None = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = self._new_channel()
+            reply = channel.call(next(self._request_ids), wire.Attach(self._token))
+            self._results(reply)
+            self._local.channel = channel
+        return channel
+
+    def _call(self, message: wire.Request) -> tuple[Any, ...]:
+        self._check_usable()
+        channel = self._channel()
+        return self._results(channel.call(next(self._request_ids), message,
+                                          releases=self._take_releases()))
+
+    def _send(self, message: wire.Request) -> None:
+        self._check_usable()
+        channel = self._channel()
+        channel.send(next(self._request_ids), message, expect_reply=False,
+                     releases=self._take_releases())
+
+    def _take_releases(self) -> list[int]:
+        if not self._pending_releases:  # the common case, without the lock
+            return []
+        with self._pending_lock:
+            taken, self._pending_releases = self._pending_releases, []
+        return taken
+
+    @staticmethod
+    def _results(reply: wire.Reply) -> tuple[Any, ...]:
+        if reply.failure is not None:
+            raise reply.failure.exception()
+        return reply.results
+
+    @staticmethod
+    def _raise_first(results: Iterable[Any]) -> None:
+        for result in results:
+            if type(result) is ItemError:
+                raise result.exception()
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        channel: Channel | None = None
+        try:
+            channel = self._new_channel()
+            channel.call(next(self._request_ids), wire.Attach(self._token))
+            beat = wire.Heartbeat()
+            while not self._heartbeat_stop.wait(interval_s):
+                if self._forked:
+                    return
+                channel.send(next(self._request_ids), beat, expect_reply=False,
+                             releases=self._take_releases())
+        except InfinityError:
+            pass  # the daemon is gone or the session ended: the next call says so
+        except zmq.ZMQError:
+            pass  # the context was terminated under us by close()
+        finally:
+            if channel is not None:
+                channel.close()
+
+    # --- leases -----------------------------------------------------------------------
+
+    def get(self, name: str, *, namespace: str = "default", exclusive: bool = False) -> Lease:
+        """Lease one tensor; `with client.get(name) as t:` releases it at the end of the block.
+
+        A shared lease is for reading (and excludes exclusive ones); an exclusive
+        lease lets the holder write in place, with no other lease at the same time.
+        """
+        return self._lease(wire.Get((wire.GetItem(namespace, name, exclusive),)),
+                           exclusive=exclusive, single=True)
+
+    def get_many(self, names: Sequence[str], *, namespace: str = "default",
+                 exclusive: bool = False) -> Lease:
+        """Lease several tensors in one request; `with` yields the list of views, in order."""
+        return self._lease(wire.Get.for_names(namespace, names, exclusive),
+                           exclusive=exclusive, single=False)
+
+    def _lease(self, request: wire.Get, *, exclusive: bool, single: bool) -> Lease:
+        self._check_usable()
+        assert self._segments is not None
+        channel = self._channel()
+        lease_id = next(self._request_ids)  # a get's request id names its lease
+        results = self._results(channel.call(lease_id, request, releases=self._take_releases()))
+        try:
+            tensors, first_error = self._segments.leased_views(results)
+            if first_error is not None:
+                raise first_error.exception()
+        except BaseException:
+            if any(type(result) is not ItemError for result in results):
+                self._release([lease_id], exclusive=exclusive)  # whatever it got goes back
+            raise
+        return Lease(self, [lease_id], tensors, results, single=single, exclusive=exclusive)
+
+    def _view(self, placement: Placement) -> torch.Tensor:
+        assert self._segments is not None
+        return self._segments.view(placement)
+
+    def _release(self, lease_ids: list[int], *, exclusive: bool) -> None:
+        if self._forked or self._closed:
+            return  # the daemon drops the session's leases anyway
+        if exclusive:  # others may be waiting to read it: say so now
+            self._send(wire.Release(tuple(lease_ids)))
+            return
+        # A shared release rides along with this client's next message (a request from any of
+        # its threads, or the next heartbeat): a get + release costs one message, not two. The
+        # daemon frees the version then; another process that wants an exclusive lease on it
+        # meets it at most daemon.heartbeat_interval_s later, or at once after flush().
+        with self._pending_lock:
+            self._pending_releases.extend(lease_ids)
+            overflowing = len(self._pending_releases) >= MAX_PENDING_RELEASES
+        if overflowing:
+            self._send(wire.Release(()))
+
+    def flush(self) -> None:
+        """Return once the daemon has served every lease this client released so far (they
+        normally reach it with the next request or within daemon.heartbeat_interval_s).
+        Call it before another process needs an exclusive lease on what you released."""
+        self._call(wire.Exists(()))
+
+    # --- writes -----------------------------------------------------------------------
+
+    def reserve(self, items: Mapping[str, TensorSpec], *, namespace: str = "default"
+                ) -> dict[str, torch.Tensor]:
+        """Fresh slices to fill at leisure, by name; `commit` publishes them, `abort` drops them.
+
+        Each item is a tensor to mimic (dtype and shape) or a (dtype, shape) pair.
+        """
+        request = []
+        for name, spec in items.items():
+            if isinstance(spec, torch.Tensor):
+                dtype, shape = spec.dtype, tuple(spec.shape)
+            else:
+                dtype, dims = spec
+                shape = tuple(int(d) for d in dims)
+            request.append(wire.ReserveItem(namespace, name, dtype_name(dtype), shape))
+        results = self._call(wire.Reserve(tuple(request)))
+        views: dict[str, torch.Tensor] = {}
+        first_error: ItemError | None = None
+        try:
+            for item, result in zip(request, results):
+                if type(result) is ItemError:
+                    first_error = first_error or result
+                else:
+                    views[item.name] = self._view(Placement.from_wire(result))
+            if first_error is not None:
+                raise first_error.exception()
+        except BaseException:
+            reserved = [item.name for item, result in zip(request, results)
+                        if type(result) is not ItemError]
+            if reserved:
+                self.abort(reserved, namespace=namespace)
+            raise
+        return views
+
+    def commit(self, names: Names, *, namespace: str = "default") -> dict[str, int]:
+        """Publish this client's reservations atomically, each as its name's new version."""
+        listed = _names(names)
+        results = self._call(wire.Commit(tuple(wire.TensorRef(namespace, n) for n in listed)))
+        self._raise_first(results)
+        return {name: wire.decode_version(r) for name, r in zip(listed, results)}
+
+    def abort(self, names: Names, *, namespace: str = "default") -> None:
+        """Discard this client's reservations (their memory is freed)."""
+        listed = _names(names)
+        self._raise_first(self._call(wire.Abort(tuple(wire.TensorRef(namespace, n) for n in listed))))
+
+    def put(self, name: str, tensor: torch.Tensor, *, namespace: str = "default") -> int:
+        """Store a copy of `tensor` as `name`'s new version; returns the version number."""
+        return self.put_many({name: tensor}, namespace=namespace)[name]
+
+    def put_many(self, tensors: Mapping[str, torch.Tensor], *, namespace: str = "default"
+                 ) -> dict[str, int]:
+        """Store several tensors: one reserve request, the copies, one commit request."""
+        views = self.reserve(tensors, namespace=namespace)
+        try:
+            for name, tensor in tensors.items():
+                views[name].copy_(tensor)
+        except BaseException:
+            self.abort(list(views), namespace=namespace)
+            raise
+        return self.commit(list(views), namespace=namespace)
+
+    # --- the catalog -------------------------------------------------------------------
+
+    def prefetch(self, names: Names, *, namespace: str = "default") -> None:
+        """Hint that these tensors are needed soon (no reply, no wait)."""
+        self._send(wire.Prefetch(tuple(wire.TensorRef(namespace, n) for n in _names(names))))
+
+    def delete(self, names: Names, *, namespace: str = "default") -> None:
+        """Remove names; current readers keep their versions until they release."""
+        listed = _names(names)
+        self._raise_first(self._call(wire.Delete(tuple(wire.TensorRef(namespace, n)
+                                                        for n in listed))))
+
+    def exists(self, name: str, *, namespace: str = "default") -> bool:
+        return self.exists_many([name], namespace=namespace)[0]
+
+    def exists_many(self, names: Sequence[str], *, namespace: str = "default") -> list[bool]:
+        results = self._call(wire.Exists(tuple(wire.TensorRef(namespace, n) for n in names)))
+        self._raise_first(results)
+        return [wire.decode_bool(r) for r in results]
+
+    def list(self, *, namespace: str = "default", prefix: str = "") -> list[wire.TensorInfo]:
+        """The tensors of a namespace whose names start with `prefix`, sorted by name."""
+        (result,) = self._call(wire.ListTensors((wire.ListItem(namespace, prefix),)))
+        self._raise_first([result])
+        return wire.decode_infos(result)
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counters: tiers, catalog, clients, requests."""
+        (result,) = self._call(wire.Stats())
+        self._raise_first([result])
+        return wire.decode_stats(result)
+
+    def segment_ranges(self) -> builtins.list[tuple[int, int, int]]:
+        """(segment id, start address, end address) of each shared segment mapped here."""
+        assert self._segments is not None
+        return self._segments.ranges()
+
+    def shutdown_daemon(self) -> None:
+        """Ask infinityd to stop cleanly (what `infinityd stop` does); this client is closed."""
+        self._call(wire.Shutdown())
+        self._teardown(send_bye=False)
+
+    # --- closing ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the session: the daemon drops this client's leases and reservations."""
+        if self._forked:
+            self._closed = True  # the parent's sockets are not ours to touch
+            return
+        self._teardown(send_bye=True)
+
+    def _teardown(self, *, send_bye: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_CLIENTS.discard(self)
+        self._heartbeat_stop.set()
+        channel: Channel | None = getattr(self._local, "channel", None)
+        if send_bye and channel is not None:
+            try:
+                channel.send(next(self._request_ids), wire.Bye(), expect_reply=False)
+            except InfinityError:
+                pass
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=self._timeout_s)
+        with self._channels_lock:
+            for other in list(self._channels):
+                other.close(linger_ms=200 if other is channel else 0)
+            self._channels.clear()
+        if self._segments is not None:
+            self._segments.close()
+        self._context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _default_name() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def connect(*, config: InfinityConfig | None = None, start: bool = False,
+            name: str | None = None) -> Client:
+    """Attach to the infinityd of these settings' runtime folder (starting one if `start`)."""
+    config = config if config is not None else load_config()
+    layout = RuntimeLayout(config.daemon.runtime_dir)
+    layout.check()
+    if not layout.daemon_running():
+        if not start:
+            raise DaemonUnavailableError(
+                f"no infinityd is running for runtime folder {layout.root}; start one with "
+                f"`infinityd start` (or infinity.connect(start=True))")
+        from infinity.client.launch import start_daemon
+
+        start_daemon(config)
+    return Client(config, layout, name=name or _default_name())
+
+
+__all__ = ["Client", "Lease", "connect"]

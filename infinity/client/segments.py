@@ -1,0 +1,239 @@
+"""The client's side of the data plane: the daemon's segments mapped here, and tensor views into them.
+
+At connect the client asks the fd channel for every live segment and maps
+each memfd (MAP_SHARED, prefaulted); later, the first reply that points into a
+segment it has not mapped triggers one more fd request. A tensor is then a
+strided view of a per-(segment, dtype) base tensor: building it is one
+`as_strided`, with no copy and no system call. A mapping stays alive as long
+as any view of it does (the views hold the mmap), so retiring a segment only
+drops this map's references.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from infinity.errors import DaemonUnavailableError, InvalidRequestError, ProtocolError
+from infinity.protocol import dtypes, fdpass
+from infinity.protocol.wire import FdReply, FdRequest, ItemError, Placement
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in dtypes.DTYPE_ITEMSIZE if hasattr(torch, name)}
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+_MAX_CACHED_SHAPES = 4096
+_MAX_CACHED_VIEWS = 1 << 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (InvalidRequestError for one the store does not hold)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise InvalidRequestError(
+            f"dtype {dtype} cannot be stored; use one of {', '.join(TORCH_DTYPES)}")
+    return name
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        if len(_STRIDES) >= _MAX_CACHED_SHAPES:
+            _STRIDES.clear()
+        strides = _STRIDES[shape] = dtypes.contiguous_strides(shape)
+    return strides
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module does not name it yet
+
+
+def _map_for_writing(fd: int, size_bytes: int) -> mmap.mmap:
+    """Map a segment with its page tables filled for writing, so no view pays a page fault later.
+
+    MAP_POPULATE alone maps a shared mapping's pages read-only, and the first write to each
+    page would still fault; MADV_POPULATE_WRITE fills them writable.
+    """
+    try:
+        mm = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return mm
+    except OSError:
+        return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class _Mapping:
+    __slots__ = ("mm", "size_bytes", "address")
+
+    def __init__(self, mm: mmap.mmap, size_bytes: int) -> None:
+        self.mm = mm
+        self.size_bytes = size_bytes
+        self.address = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+
+
+class SegmentMap:
+    """Mapped segments and the fd channel that brings new ones. Thread-safe."""
+
+    def __init__(self, path: str, token: bytes, *, timeout_s: float) -> None:
+        self._sock = fdpass.seqpacket_socket()
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnavailableError(
+                f"cannot reach infinityd's fd channel {path} ({exc}); is it running? "
+                f"(infinityd status)") from None
+        self.daemon_pid = fdpass.peer_credentials(self._sock)[0]
+        self._token = token
+        self._lock = threading.Lock()
+        self._mappings: dict[int, _Mapping] = {}
+        self._typed: dict[tuple[int, str], torch.Tensor] = {}
+        self._views: dict[int, torch.Tensor] = {}  # version number -> its view
+        self._closed = False
+        with self._lock:
+            self._fetch(None)
+
+    # --- views ------------------------------------------------------------------
+
+    def view(self, placement: Placement) -> torch.Tensor:
+        """The tensor a placement describes, as a view of shared memory (no copy)."""
+        dtype = placement.dtype
+        if placement.segment < 0:
+            return torch.empty(placement.shape, dtype=self._torch_dtype(dtype))
+        base = self._typed.get((placement.segment, dtype))
+        if base is None:
+            base = self._typed_base(placement.segment, dtype)
+        return base.as_strided(placement.shape, _strides(placement.shape),
+                               placement.offset // dtypes.DTYPE_ITEMSIZE[dtype])
+
+    def leased_views(self, results: Sequence[Any]) -> tuple[list[torch.Tensor],
+                                                            ItemError | None]:
+        """Views for the results of a get, and the first item error if any.
+
+        The same versions are leased again and again (a model's weights every
+        step), and a version never moves, so the view of each version is kept,
+        keyed by its version number (unique for the daemon's life), and handed
+        out as a `detach()`ed alias: a fresh tensor object for the caller at a
+        third of the cost of building the view again. A placement seen for the
+        first time is validated in full (`Placement.from_wire`) before it is kept.
+        """
+        cache = self._views
+        try:
+            # Keyed by version number: unique for the daemon's life, and a version never moves.
+            views = [cache.get(value[5]) for value in results]
+        except (TypeError, IndexError, KeyError):  # an error or a malformed value: see below
+            views = [None] * len(results)
+        first_error: ItemError | None = None
+        for i, view in enumerate(views):
+            if view is not None:
+                continue
+            value = results[i]
+            if type(value) is ItemError:
+                first_error = first_error or value
+                continue
+            placement = Placement.from_wire(value)
+            view = views[i] = self.view(placement)
+            if placement.segment >= 0 and placement.version > 0:
+                if len(cache) >= _MAX_CACHED_VIEWS:
+                    cache.clear()
+                cache[placement.version] = view
+        tensors = [view.detach() for view in views if view is not None]
+        return tensors, first_error
+
+    @staticmethod
+    def _torch_dtype(name: str) -> torch.dtype:
+        dtype = TORCH_DTYPES.get(name)
+        if dtype is None:
+            raise ProtocolError(f"infinityd sent dtype {name!r}, which this client does not know")
+        return dtype
+
+    def _typed_base(self, segment: int, dtype: str) -> torch.Tensor:
+        torch_dtype = self._torch_dtype(dtype)
+        with self._lock:
+            mapping = self._mappings.get(segment)
+            if mapping is None:
+                self._fetch((segment,))
+                mapping = self._mappings.get(segment)
+                if mapping is None:
+                    raise ProtocolError(f"infinityd did not hand over segment {segment}")
+            base = torch.frombuffer(mapping.mm, dtype=torch_dtype)
+            self._typed[(segment, dtype)] = base
+            return base
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """(segment, start address, end address) of every mapped segment (checks, pinning)."""
+        return [(s, m.address, m.address + m.size_bytes) for s, m in sorted(self._mappings.items())]
+
+    # --- the fd channel -------------------------------------------------------------
+
+    def _fetch(self, want: tuple[int, ...] | None) -> None:
+        """Ask for segments and map them; the caller holds the lock."""
+        if self._closed:
+            raise DaemonUnavailableError("this client is closed; connect again")
+        try:
+            fdpass.send_message(self._sock, FdRequest(self._token, want).encode())
+            while True:
+                data, fds = fdpass.recv_message(self._sock, max_fds=FdReply.MAX_FDS_PER_MESSAGE)
+                if not data:
+                    raise DaemonUnavailableError(
+                        "infinityd closed this client's fd channel (it stopped, or it ended the "
+                        "session after daemon.client_timeout_s of silence); connect again")
+                try:
+                    reply = FdReply.decode(data)
+                    if reply.error is not None:
+                        raise reply.error.exception()
+                    if len(fds) != len(reply.segments):
+                        raise ProtocolError(f"an fd reply lists {len(reply.segments)} segments "
+                                            f"but carries {len(fds)} fds")
+                    for info, fd in zip(reply.segments, fds):
+                        self._mappings[info.segment] = _Mapping(_map_for_writing(fd, info.size_bytes),
+                                                                info.size_bytes)
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the mapping keeps the memory; the fd is no longer needed
+                for segment in reply.retired:
+                    self._forget(segment)
+                if not reply.more:
+                    return
+        except (socket.timeout, TimeoutError):
+            raise DaemonUnavailableError(
+                "infinityd did not hand over shared-memory segments in time "
+                "(daemon.request_timeout_s); check `infinityd status`") from None
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise DaemonUnavailableError(f"infinityd's fd channel broke ({exc}); restart it "
+                                         f"and connect again") from None
+
+    def _forget(self, segment: int) -> None:
+        mapping = self._mappings.pop(segment, None)
+        for key in [k for k in self._typed if k[0] == segment]:
+            del self._typed[key]
+        if mapping is not None:
+            start, end = mapping.address, mapping.address + mapping.size_bytes
+            for version in [v for v, view in self._views.items()
+                            if start <= view.data_ptr() < end]:
+                del self._views[version]
+
+    def daemon_gone(self) -> str | None:
+        """Why the daemon is known to be gone (its end of the fd channel closed), or None."""
+        if self._closed:
+            return "the client was closed"
+        poller = select.poll()  # one per call: poll objects refuse concurrent use
+        poller.register(self._sock, select.POLLRDHUP)
+        for _, events in poller.poll(0):
+            if events & (select.POLLHUP | select.POLLRDHUP | select.POLLERR):
+                return "it closed this client's fd channel (stopped, or session timed out)"
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._sock.close()
+            self._mappings.clear()
+            self._typed.clear()
+            self._views.clear()

@@ -1,0 +1,313 @@
+"""The CPU tier's memory: memfd segments created lazily up to the budget, and ranges inside them.
+
+A standard segment is `cpu.segment_bytes` (the last one may be smaller, to fit
+the budget); a tensor larger than that gets a dedicated segment of its own,
+rounded up to 2 MiB, destroyed when the tensor is freed. Ranges inside a segment
+come from one `ExtentAllocator` per segment (4 KiB-aligned offsets, so O_DIRECT
+reads can land in place).
+
+Creating a segment zero-fills and prefaults it, which takes milliseconds per
+hundred MiB, so it is split in two: the loop asks `allocate`, which raises
+`SpaceShortage` when a new segment would help; the loop then runs
+`create_segment` on a worker thread and `install`s the result. The arena never
+blocks, and never touches tensor bytes except to poison freed ranges in debug
+mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from infinity.config import CpuTierConfig, MiB
+from infinity.errors import ConfigError, TierFullError, TooLargeError
+from infinity.store.allocator import Extent, ExtentAllocator
+
+log = logging.getLogger("infinityd.arena")
+
+ALIGNMENT_BYTES = 4096
+SEGMENT_GRANULE_BYTES = 2 * MiB
+POISON_BYTE = 0xFF  # every float dtype reads 0xFF..FF as NaN, so stale reads stand out
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module does not name it yet
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSlice:
+    """A range of one segment: `length` is the allocated (4 KiB-rounded) size."""
+
+    segment: int
+    offset: int
+    length: int
+
+
+class SpaceShortage(Exception):
+    """Internal signal: no segment has room, but the tier may still grow (or is growing)."""
+
+    def __init__(self, nbytes: int, *, dedicated: bool) -> None:
+        super().__init__(f"{nbytes} bytes need a new segment")
+        self.nbytes = nbytes
+        self.dedicated = dedicated
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """A segment about to be created on a worker thread; its bytes already count against the budget."""
+
+    segment: int
+    size_bytes: int
+    dedicated: bool
+
+
+class Segment:
+    """One shared-memory segment: its memfd, the daemon's mapping, and its allocator."""
+
+    def __init__(self, plan: SegmentPlan, fd: int, mm: mmap.mmap, *, hugepages: bool,
+                 locked: bool) -> None:
+        self.id = plan.segment
+        self.size_bytes = plan.size_bytes
+        self.dedicated = plan.dedicated
+        self.fd = fd
+        self.mm = mm
+        # The address stays valid for the mapping's life; the temporary buffer export is dropped at once.
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        self.hugepages = hugepages
+        self.locked = locked
+        self.allocator = ExtentAllocator(plan.size_bytes, alignment_bytes=ALIGNMENT_BYTES)
+
+    def destroy(self) -> None:
+        """Give the memory back now, even while clients still map the segment."""
+        try:
+            self.mm.madvise(mmap.MADV_REMOVE)
+        except OSError:
+            pass
+        self.mm.close()
+        os.close(self.fd)
+
+
+def _shared_memory_fd(name: str) -> int:
+    """A memfd; named shared memory (created and unlinked at once) where memfd is unavailable."""
+    if hasattr(os, "memfd_create"):
+        try:
+            return os.memfd_create(name, os.MFD_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+    path = f"/dev/shm/{name}-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def shmem_hugepages_allowed() -> bool:
+    """Whether the kernel gives transparent huge pages to shared memory that asks (madvise)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            setting = f.read()
+    except OSError:
+        return False
+    chosen = setting[setting.find("[") + 1:setting.find("]")] if "[" in setting else setting.strip()
+    return chosen in ("always", "within_size", "advise", "force")
+
+
+def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
+    """Create, map, prefault (and optionally lock) a segment. Blocking: runs off the loop thread."""
+    fd = _shared_memory_fd(f"infinity-seg-{plan.segment}")
+    mm: mmap.mmap | None = None
+    try:
+        os.ftruncate(fd, plan.size_bytes)
+        mm = mmap.mmap(fd, plan.size_bytes, flags=mmap.MAP_SHARED,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        hugepages = False
+        if config.hugepages and shmem_hugepages_allowed():
+            try:
+                mm.madvise(mmap.MADV_HUGEPAGE)
+                hugepages = True
+            except OSError:
+                pass  # unsupported here: 4 KiB pages, as the setting promises
+        if config.prefault:
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE)
+            except OSError as exc:
+                if exc.errno == errno.ENOMEM:
+                    raise TierFullError(
+                        f"the system has no memory for a {plan.size_bytes}-byte CPU-tier segment; "
+                        f"lower cpu.budget_bytes or free memory") from None
+                for page in range(0, plan.size_bytes, mmap.PAGESIZE):  # kernels before 5.14
+                    mm[page] = 0
+        locked = False
+        if config.lock:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(plan.size_bytes)) != 0:
+                err = ctypes.get_errno()
+                raise ConfigError(
+                    f"cannot lock a {plan.size_bytes}-byte CPU-tier segment in memory "
+                    f"({os.strerror(err)}); raise the memlock limit (ulimit -l, or LimitMEMLOCK="
+                    f"infinity in the systemd unit) or set cpu.lock=false")
+            locked = True
+        return Segment(plan, fd, mm, hugepages=hugepages, locked=locked)
+    except BaseException:
+        if mm is not None:
+            mm.close()
+        os.close(fd)
+        raise
+
+
+class CpuArena:
+    """The segments of the CPU tier and the budget they share. Loop thread only (not thread-safe)."""
+
+    def __init__(self, config: CpuTierConfig, *, poison: bool = False,
+                 on_retire: Callable[[int], None] = lambda segment: None) -> None:
+        self.config = config
+        self.poison = poison
+        self._on_retire = on_retire
+        self.segments: dict[int, Segment] = {}
+        self._next_segment = 1
+        self._segment_bytes_total = 0  # live segments
+        self._planned_bytes = 0  # segments being created
+        self._planned: dict[int, SegmentPlan] = {}
+        self.used_bytes = 0  # allocated ranges (rounded), all segments
+
+    # --- sizes ------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.config.budget_bytes
+
+    @property
+    def segment_bytes_total(self) -> int:
+        return self._segment_bytes_total
+
+    @property
+    def growing(self) -> bool:
+        return bool(self._planned)
+
+    def _room_bytes(self) -> int:
+        """Budget not yet given to a segment, rounded down to whole 2 MiB granules."""
+        room = self.budget_bytes - self._segment_bytes_total - self._planned_bytes
+        return max(0, room) // SEGMENT_GRANULE_BYTES * SEGMENT_GRANULE_BYTES
+
+    # --- allocation ---------------------------------------------------------------
+
+    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
+        """A 4 KiB-aligned range of at least nbytes (> 0).
+
+        Raises TooLargeError (bigger than the whole tier), TierFullError (no room
+        and no way to grow), or SpaceShortage (the loop should grow the tier and retry).
+        """
+        if nbytes > self.budget_bytes:
+            raise TooLargeError(
+                f"{what} needs {nbytes} bytes, more than the whole CPU tier (cpu.budget_bytes="
+                f"{self.budget_bytes}); raise cpu.budget_bytes or split the tensor")
+        length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        dedicated = length > self.config.segment_bytes
+        for segment in self.segments.values():
+            if segment.dedicated != dedicated:
+                continue
+            if dedicated and segment.allocator.used_bytes:
+                continue  # a dedicated segment holds exactly one tensor
+            extent = segment.allocator.allocate(length)
+            if extent is not None:
+                self.used_bytes += extent.length_bytes
+                return CpuSlice(segment.id, extent.offset_bytes, extent.length_bytes)
+        if self.growing:
+            raise SpaceShortage(length, dedicated=dedicated)
+        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
+        if self._room_bytes() >= need:
+            raise SpaceShortage(length, dedicated=dedicated)
+        if dedicated and self._room_bytes() + self._empty_standard_bytes() >= need:
+            self._retire_empty_standard(need)
+            raise SpaceShortage(length, dedicated=dedicated)
+        raise TierFullError(
+            f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
+            f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors "
+            f"(eviction to NVMe comes with the NVMe tier)")
+
+    def plan_growth(self, shortage: SpaceShortage) -> SegmentPlan | None:
+        """Claim budget for the segment that resolves `shortage`, or None if it no longer fits."""
+        if shortage.dedicated:
+            size = -(-shortage.nbytes // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+        else:
+            size = min(self.config.segment_bytes, self._room_bytes())
+        if size < shortage.nbytes or size > self._room_bytes() or size <= 0:
+            return None
+        plan = SegmentPlan(self._next_segment, size, shortage.dedicated)
+        self._next_segment += 1
+        self._planned[plan.segment] = plan
+        self._planned_bytes += size
+        return plan
+
+    def install(self, segment: Segment) -> None:
+        plan = self._planned.pop(segment.id)
+        self._planned_bytes -= plan.size_bytes
+        self.segments[segment.id] = segment
+        self._segment_bytes_total += segment.size_bytes
+        log.info("CPU tier: segment %d of %d bytes%s%s%s", segment.id, segment.size_bytes,
+                 " (dedicated)" if segment.dedicated else "",
+                 ", huge pages" if segment.hugepages else "", ", locked" if segment.locked else "")
+
+    def abandon(self, plan: SegmentPlan) -> None:
+        """A planned segment could not be created: its budget is free again."""
+        self._planned.pop(plan.segment, None)
+        self._planned_bytes -= plan.size_bytes
+
+    def free(self, piece: CpuSlice) -> None:
+        segment = self.segments[piece.segment]
+        if self.poison:
+            ctypes.memset(segment.address + piece.offset, POISON_BYTE, piece.length)
+        segment.allocator.free(Extent(piece.offset, piece.length))
+        self.used_bytes -= piece.length
+        if segment.dedicated and segment.allocator.used_bytes == 0:
+            self._retire(segment)
+
+    def segment_fds(self) -> dict[int, tuple[int, int]]:
+        """Each live segment's (memfd, size), for the fd channel."""
+        return {s.id: (s.fd, s.size_bytes) for s in self.segments.values()}
+
+    def address_of(self, piece: CpuSlice) -> int:
+        """The daemon's address of a slice (for the native engine's I/O into it)."""
+        return self.segments[piece.segment].address + piece.offset
+
+    # --- segments going away -----------------------------------------------------
+
+    def _empty_standard_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.segments.values()
+                   if not s.dedicated and s.allocator.used_bytes == 0)
+
+    def _retire_empty_standard(self, need: int) -> None:
+        for segment in [s for s in self.segments.values()
+                        if not s.dedicated and s.allocator.used_bytes == 0]:
+            if self._room_bytes() >= need:
+                break
+            self._retire(segment)
+
+    def _retire(self, segment: Segment) -> None:
+        del self.segments[segment.id]
+        self._segment_bytes_total -= segment.size_bytes
+        segment.destroy()
+        log.debug("CPU tier: segment %d retired", segment.id)
+        self._on_retire(segment.id)
+
+    def close(self) -> None:
+        for segment in list(self.segments.values()):
+            segment.destroy()
+        self.segments.clear()
+        self._segment_bytes_total = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "segment_bytes": self.config.segment_bytes,
+            "allocated_bytes": self._segment_bytes_total,
+            "used_bytes": self.used_bytes,
+            "free_bytes": self.budget_bytes - self.used_bytes,
+            "num_segments": len(self.segments),
+            "num_dedicated_segments": sum(1 for s in self.segments.values() if s.dedicated),
+            "growing_bytes": self._planned_bytes,
+        }

@@ -1,0 +1,343 @@
+"""The catalog: named tensors in namespaces, their versions, leases, reservations and tiers.
+
+It knows nothing about sockets or processes: a client is an integer id. It asks
+a space provider (the CPU arena) for ranges and gives them back when the last
+holder of a version lets go. Rules it enforces:
+
+- `commit` publishes a reservation as the name's new version in one step;
+  readers of the old version keep it (and its bytes) until they release.
+- A version under a lease is never freed or moved. A shared lease excludes an
+  exclusive one on the same version and the other way round.
+- Counters (tensors, bytes, leases, per namespace) are kept as work happens,
+  never recomputed by walking the catalog.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from infinity.daemon.arena import CpuSlice
+from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
+from infinity.protocol import dtypes
+from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+class SpaceProvider(Protocol):
+    def allocate(self, nbytes: int, *, what: str) -> CpuSlice: ...
+
+    def free(self, piece: CpuSlice) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Version:
+    """One immutable-by-contract copy of a tensor: written once through a reservation, then published.
+
+    `cpu` is None only for a tensor of zero bytes. The NVMe tier will add its
+    extents and a `dirty` flag meaning "not yet written back".
+    """
+
+    key: Key
+    stamp: int  # catalog-wide increasing version number
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    cpu: CpuSlice | None
+    current: bool = True
+    shared: int = 0
+    exclusive: int = 0  # client id of the exclusive holder, 0 if none
+    dirty: bool = True  # written in place (exclusive lease) or never written back
+    # The placement's wire form, built once: every get of this version answers with it as is.
+    wire: list[Any] = field(default_factory=list)
+
+    @property
+    def tier(self) -> str:
+        return "cpu"
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """The versions one get request leased: released together, by the get's request id."""
+
+    id: int  # unique per client, not across clients
+    client: int
+    holds: list[tuple[Version, bool]]  # (version, exclusive)
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    id: int
+    client: int
+    key: Key
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    cpu: CpuSlice | None
+
+
+@dataclass(slots=True)
+class NamespaceCounters:
+    tensors: int = 0
+    bytes: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Holdings:
+    """What one client holds, so that a dead client is cleaned up without a scan."""
+
+    leases: dict[int, Lease] = field(default_factory=dict)
+    reservations: dict[Key, Reservation] = field(default_factory=dict)
+
+
+def check_key(namespace: str, name: str) -> None:
+    if not namespace or len(namespace) > MAX_NAMESPACE_CHARS or "\x00" in namespace:
+        raise InvalidRequestError(
+            f"namespace {namespace[:80]!r} is not valid: use 1 to {MAX_NAMESPACE_CHARS} "
+            f"characters without NUL")
+    if not name or len(name) > MAX_NAME_CHARS or "\x00" in name:
+        raise InvalidRequestError(
+            f"tensor name {name[:80]!r} is not valid: use 1 to {MAX_NAME_CHARS} characters "
+            f"without NUL")
+
+
+class Catalog:
+    """Names, versions, leases and reservations. Loop thread only (not thread-safe)."""
+
+    def __init__(self, space: SpaceProvider) -> None:
+        self._space = space
+        self._namespaces: dict[str, dict[str, Version]] = {}
+        self._holdings: dict[int, _Holdings] = {}
+        self._ids = itertools.count(1)
+        self._stamps = itertools.count(1)
+        # Counters, kept as work happens.
+        self.namespace_counters: dict[str, NamespaceCounters] = {}
+        self.num_tensors = 0
+        self.tensor_bytes = 0  # current versions
+        self.num_versions = 0  # current and superseded-but-leased
+        self.version_bytes = 0
+        self.num_exclusive = 0
+        self.num_leases = 0
+        self.num_held = 0  # tensors held under leases (a lease holds one or more)
+        self.num_reservations = 0
+        self.reserved_bytes = 0
+
+    # --- lookups ------------------------------------------------------------------
+
+    def _current(self, namespace: str, name: str) -> Version:
+        entries = self._namespaces.get(namespace)
+        version = entries.get(name) if entries is not None else None
+        if version is None:
+            check_key(namespace, name)
+            elsewhere = [ns for ns, names in self._namespaces.items() if name in names]
+            hint = (f"; it exists in namespace(s) {', '.join(repr(n) for n in sorted(elsewhere))}"
+                    if elsewhere else "; put or reserve+commit it first")
+            raise NotFoundError(f"no tensor {name!r} in namespace {namespace!r}{hint}")
+        return version
+
+    def exists(self, namespace: str, name: str) -> bool:
+        check_key(namespace, name)
+        entries = self._namespaces.get(namespace)
+        return entries is not None and name in entries
+
+    def listing(self, namespace: str, prefix: str) -> list[Version]:
+        entries = self._namespaces.get(namespace, {})
+        return [entries[n] for n in sorted(entries) if n.startswith(prefix)]
+
+    def holder_of(self, client: int) -> _Holdings:
+        holdings = self._holdings.get(client)
+        if holdings is None:
+            holdings = self._holdings[client] = _Holdings()
+        return holdings
+
+    def client_counts(self, client: int) -> tuple[int, int]:
+        """(leases, reservations) a client holds."""
+        holdings = self._holdings.get(client)
+        return (0, 0) if holdings is None else (len(holdings.leases), len(holdings.reservations))
+
+    # --- leases -------------------------------------------------------------------
+
+    def acquire(self, client: int, lease_id: int, items: Sequence[tuple[str, str, bool]]
+                ) -> tuple[Lease | None, list[Version | InfinityError]]:
+        """Lease each (namespace, name, exclusive) under the lease `lease_id` (the get's request
+        id); an item that cannot be leased gets its error in place. The lease is None when no
+        item could be leased."""
+        holdings = self.holder_of(client)
+        if lease_id in holdings.leases:
+            error = LeaseError(f"lease {lease_id} is still held: a get's request id names its "
+                               f"lease, so request ids must not be reused")
+            return None, [error] * len(items)
+        lease: Lease | None = None
+        results: list[Version | InfinityError] = []
+        namespaces = self._namespaces
+        for namespace, name, exclusive in items:
+            entries = namespaces.get(namespace)
+            version = entries.get(name) if entries is not None else None
+            try:
+                if version is None:
+                    version = self._current(namespace, name)  # raises the right error
+                if version.exclusive:
+                    raise LeaseError(
+                        f"tensor {name!r} in namespace {namespace!r} is leased exclusively by "
+                        f"client {version.exclusive}; wait until it releases, or write a new "
+                        f"version with reserve+commit")
+                if exclusive and version.shared:
+                    raise LeaseError(
+                        f"tensor {name!r} in namespace {namespace!r} has {version.shared} shared "
+                        f"lease(s); an exclusive lease needs none; write a new version with "
+                        f"reserve+commit instead")
+            except InfinityError as exc:
+                results.append(exc)
+                continue
+            if lease is None:
+                lease = Lease(lease_id, client, [])
+            if exclusive:
+                version.exclusive = client
+                self.num_exclusive += 1
+            else:
+                version.shared += 1
+            lease.holds.append((version, exclusive))
+            results.append(version)
+        if lease is not None:
+            holdings.leases[lease_id] = lease
+            self.num_leases += 1
+            self.num_held += len(lease.holds)
+        return lease, results
+
+    def release(self, client: int, lease_id: int) -> None:
+        holdings = self._holdings.get(client)
+        lease = holdings.leases.pop(lease_id, None) if holdings is not None else None
+        if lease is None:
+            raise LeaseError(f"lease {lease_id} is not held by this client (released twice?)")
+        self.num_leases -= 1
+        self.num_held -= len(lease.holds)
+        for version, exclusive in lease.holds:
+            if exclusive:
+                version.exclusive = 0
+                version.dirty = True  # written in place: the NVMe tier will write it back
+                self.num_exclusive -= 1
+            else:
+                version.shared -= 1
+            self._maybe_free(version)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def reserve(self, client: int, namespace: str, name: str, dtype: str,
+                shape: tuple[int, ...]) -> Reservation:
+        """A fresh slice for the client to fill. May raise SpaceShortage from the space provider."""
+        check_key(namespace, name)
+        nbytes = dtypes.tensor_nbytes(dtype, shape)
+        key = (namespace, name)
+        holdings = self.holder_of(client)
+        if key in holdings.reservations:
+            raise LeaseError(
+                f"this client already holds a reservation for {name!r} in namespace "
+                f"{namespace!r}; commit or abort it first")
+        cpu = self._space.allocate(nbytes, what=f"tensor {name!r}") if nbytes else None
+        reservation = Reservation(next(self._ids), client, key, dtype, shape, nbytes, cpu)
+        holdings.reservations[key] = reservation
+        self.num_reservations += 1
+        self.reserved_bytes += nbytes
+        return reservation
+
+    def _take_reservation(self, client: int, namespace: str, name: str) -> Reservation:
+        holdings = self._holdings.get(client)
+        reservation = holdings.reservations.pop((namespace, name), None) if holdings else None
+        if reservation is None:
+            check_key(namespace, name)
+            raise LeaseError(
+                f"this client holds no reservation for {name!r} in namespace {namespace!r}; "
+                f"reserve it first")
+        self.num_reservations -= 1
+        self.reserved_bytes -= reservation.nbytes
+        return reservation
+
+    def commit(self, client: int, namespace: str, name: str) -> Version:
+        reservation = self._take_reservation(client, namespace, name)
+        version = Version(reservation.key, next(self._stamps), reservation.dtype,
+                          reservation.shape, reservation.nbytes, reservation.cpu)
+        cpu = reservation.cpu
+        version.wire = Placement(
+            -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+            version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
+        entries = self._namespaces.setdefault(namespace, {})
+        counters = self.namespace_counters.setdefault(namespace, NamespaceCounters())
+        old = entries.get(name)
+        entries[name] = version
+        self.num_versions += 1
+        self.version_bytes += version.nbytes
+        counters.tensors += 1
+        counters.bytes += version.nbytes
+        self.num_tensors += 1
+        self.tensor_bytes += version.nbytes
+        if old is not None:
+            self._unpublish(old)
+        return version
+
+    def abort(self, client: int, namespace: str, name: str) -> None:
+        reservation = self._take_reservation(client, namespace, name)
+        if reservation.cpu is not None:
+            self._space.free(reservation.cpu)
+
+    def delete(self, namespace: str, name: str) -> Version:
+        version = self._current(namespace, name)
+        entries = self._namespaces[namespace]
+        del entries[name]
+        if not entries:
+            del self._namespaces[namespace]
+        self._unpublish(version)
+        return version
+
+    def _unpublish(self, version: Version) -> None:
+        """The version is no longer its name's current one; free it unless someone holds it."""
+        version.current = False
+        namespace = version.key[0]
+        counters = self.namespace_counters[namespace]
+        counters.tensors -= 1
+        counters.bytes -= version.nbytes
+        if not counters.tensors:
+            del self.namespace_counters[namespace]
+        self.num_tensors -= 1
+        self.tensor_bytes -= version.nbytes
+        self._maybe_free(version)
+
+    def _maybe_free(self, version: Version) -> None:
+        if version.current or version.shared or version.exclusive:
+            return
+        self.num_versions -= 1
+        self.version_bytes -= version.nbytes
+        if version.cpu is not None:
+            self._space.free(version.cpu)
+            version.cpu = None
+
+    # --- clients going away ------------------------------------------------------------
+
+    def drop_client(self, client: int) -> tuple[int, int]:
+        """Release every lease and discard every reservation of a client; returns their counts."""
+        holdings = self._holdings.get(client)
+        if holdings is None:
+            return 0, 0
+        counts = len(holdings.leases), len(holdings.reservations)
+        for lease_id in list(holdings.leases):
+            self.release(client, lease_id)
+        for key in list(holdings.reservations):
+            self.abort(client, *key)
+        del self._holdings[client]
+        return counts
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "num_tensors": self.num_tensors,
+            "tensor_bytes": self.tensor_bytes,
+            "num_versions": self.num_versions,
+            "version_bytes": self.version_bytes,
+            "num_leases": self.num_leases,
+            "num_leased_tensors": self.num_held,
+            "num_exclusive_leases": self.num_exclusive,
+            "num_reservations": self.num_reservations,
+            "reserved_bytes": self.reserved_bytes,
+            "namespaces": {ns: {"tensors": c.tensors, "bytes": c.bytes}
+                           for ns, c in sorted(self.namespace_counters.items())},
+        }

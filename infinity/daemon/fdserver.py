@@ -1,0 +1,157 @@
+"""The fd channel's server side: hands CPU-tier segment memfds to clients with SCM_RIGHTS.
+
+A client connects once (SOCK_SEQPACKET, `fds.sock`), names its session by the
+token from `hello`, and asks for the segments it has not mapped yet: all of
+them at the handshake, then each new one the first time a reply points into
+it. Every answer also lists the segments retired since the last one, so the
+client can unmap them. The connection doubles as a liveness signal: it closes
+when the client process dies. All sockets are non-blocking and served from the
+event loop; a client that does not read its answers is disconnected rather
+than allowed to stall the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Callable, Protocol
+
+from infinity.daemon.loop import EventLoop
+from infinity.daemon.sessions import Session
+from infinity.errors import InfinityError, ProtocolError
+from infinity.protocol import fdpass
+from infinity.protocol.wire import FdReply, FdRequest, ItemError, SegmentInfo
+
+log = logging.getLogger("infinityd.fds")
+
+
+class SegmentSource(Protocol):
+    """What the fd server needs of the arena: the live segments' fds and sizes."""
+
+    def segment_fds(self) -> dict[int, tuple[int, int]]: ...
+
+
+class FdConnection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self.peer_pid, self.peer_uid, _ = fdpass.peer_credentials(sock)
+        self.session: Session | None = None
+
+
+class FdServer:
+    def __init__(self, path: str, loop: EventLoop, segments: SegmentSource, *,
+                 find_session: Callable[[bytes], Session | None],
+                 on_bound: Callable[[Session, FdConnection], None],
+                 on_closed: Callable[[FdConnection], None]) -> None:
+        self.path = path
+        self._loop = loop
+        self._segments = segments
+        self._find_session = find_session
+        self._on_bound = on_bound
+        self._on_closed = on_closed
+        self._listener: socket.socket | None = None
+        self._connections: dict[int, FdConnection] = {}
+        self.fds_sent = 0
+
+    def start(self) -> None:
+        listener = fdpass.seqpacket_socket()
+        listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop.add_reader(listener.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            conn = FdConnection(sock)
+            if conn.peer_uid not in (os.geteuid(), 0):
+                log.warning("fd channel: refused a connection from uid %d (pid %d)",
+                            conn.peer_uid, conn.peer_pid)
+                sock.close()
+                continue
+            self._connections[conn.fileno] = conn
+            self._loop.add_reader(conn.fileno, lambda c=conn: self._readable(c))  # type: ignore[misc]
+
+    def _readable(self, conn: FdConnection) -> None:
+        try:
+            data, fds = fdpass.recv_message(conn.sock, max_fds=1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, ProtocolError) as exc:
+            log.info("fd channel of pid %d failed: %s", conn.peer_pid, exc)
+            self.close_connection(conn, notify=True)
+            return
+        for fd in fds:  # clients have no business sending fds
+            os.close(fd)
+        if not data:
+            self.close_connection(conn, notify=True)
+            return
+        try:
+            request = FdRequest.decode(data)
+            if conn.session is None:
+                session = self._find_session(request.token)
+                if session is None:
+                    raise ProtocolError("the fd channel names no open session; send hello first")
+                conn.session = session
+                session.fd_conn = conn
+                self._on_bound(session, conn)
+            elif request.token != conn.session.token:
+                raise ProtocolError("the fd channel is bound to another session")
+            self._answer(conn, conn.session, request.want)
+        except InfinityError as exc:
+            self._send(conn, FdReply((), error=ItemError.of(exc)), [])
+            if conn.session is None:
+                self.close_connection(conn, notify=False)
+
+    def _answer(self, conn: FdConnection, session: Session, want: tuple[int, ...] | None) -> None:
+        live = self._segments.segment_fds()
+        ids = sorted(live) if want is None else [s for s in want if s in live]
+        # A wanted segment that is no longer live was retired; say so.
+        retired = session.retired_pending | {s for s in (want or ()) if s not in live}
+        session.retired_pending = set()
+        chunk = FdReply.MAX_FDS_PER_MESSAGE
+        for start in range(0, max(len(ids), 1), chunk):
+            part = ids[start:start + chunk]
+            more = start + chunk < len(ids)
+            reply = FdReply(tuple(SegmentInfo(s, live[s][1]) for s in part),
+                            tuple(sorted(retired)) if start == 0 else (), more)
+            if not self._send(conn, reply, [live[s][0] for s in part]):
+                return
+            self.fds_sent += len(part)
+        session.mapped_segments.update(ids)
+        session.mapped_segments.difference_update(retired)
+
+    def _send(self, conn: FdConnection, reply: FdReply, fds: list[int]) -> bool:
+        try:
+            fdpass.send_message(conn.sock, reply.encode(), fds)
+            return True
+        except OSError as exc:  # includes a full socket buffer: the client does not read
+            log.warning("fd channel of pid %d: cannot send (%s); disconnecting it",
+                        conn.peer_pid, exc)
+            self.close_connection(conn, notify=True)
+            return False
+
+    def close_connection(self, conn: FdConnection, *, notify: bool) -> None:
+        if self._connections.pop(conn.fileno, None) is None:
+            return
+        self._loop.remove_reader(conn.fileno)
+        conn.sock.close()
+        if notify:
+            self._on_closed(conn)
+
+    def close(self) -> None:
+        for conn in list(self._connections.values()):
+            self.close_connection(conn, notify=False)
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None

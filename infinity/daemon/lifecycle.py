@@ -1,0 +1,152 @@
+"""infinityd's life outside the loop: the runtime folder, the lock, the pid file, start and stop.
+
+One daemon per runtime folder: whoever holds `infinityd.lock` (fcntl.flock) is
+the daemon; the pid file is only informative. `start` launches `infinityd run`
+in a new session with a pipe on which the daemon writes "ready" once its
+sockets are bound, so `start` returns exactly when the daemon answers (or
+reports why it did not, with the tail of its log).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from infinity.errors import ConfigError, DaemonAlreadyRunningError, DaemonUnavailableError
+from infinity.protocol.paths import RuntimeLayout, child_environment
+
+READY_MESSAGE = b"ready\n"
+# How long a daemon retries the lock: a client probing it holds it for microseconds.
+LOCK_RETRY_S = 0.5
+
+
+def prepare_runtime_dir(layout: RuntimeLayout) -> None:
+    """Create the runtime folder private to this user (0700), or check an existing one."""
+    layout.check()
+    os.makedirs(layout.root, mode=0o700, exist_ok=True)
+    info = os.stat(layout.root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"daemon.runtime_dir {layout.root} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"daemon.runtime_dir {layout.root} belongs to uid {info.st_uid}, not to you "
+            f"(uid {os.geteuid()}); choose a folder of your own")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(layout.root, 0o700)  # sockets inside must not be reachable by other users
+
+
+class RuntimeLock:
+    """The flock that makes a daemon the only one of its runtime folder."""
+
+    def __init__(self, layout: RuntimeLayout) -> None:
+        self.layout = layout
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.layout.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    pid = self.layout.read_pid()
+                    raise DaemonAlreadyRunningError(
+                        f"infinityd{f' (pid {pid})' if pid else ''} already serves "
+                        f"{self.layout.root}; stop it with `infinityd stop` or choose another "
+                        f"daemon.runtime_dir") from None
+                time.sleep(0.01)
+        self._fd = fd
+        tmp = self.layout.pid_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, self.layout.pid_path)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.layout.pid_path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # drops the flock
+        self._fd = None
+
+
+def _log_tail(layout: RuntimeLayout, lines: int = 15) -> str:
+    try:
+        with open(layout.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).strip()
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def start_background(layout: RuntimeLayout, run_args: Sequence[str], *, timeout_s: float) -> int:
+    """Launch `infinityd run <run_args>` detached; return its pid once it serves.
+
+    The caller checks first that no daemon runs; a race with another starter
+    ends with one of them reporting DaemonAlreadyRunningError from the log.
+    """
+    prepare_runtime_dir(layout)
+    read_end, write_end = os.pipe()
+    try:
+        with open(layout.log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),
+                 *run_args],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, pass_fds=(write_end,),
+                start_new_session=True, close_fds=True, env=child_environment())
+        os.close(write_end)
+        write_end = -1
+        ready, _, _ = select.select([read_end], [], [], timeout_s)
+        message = os.read(read_end, 64) if ready else b""
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    if message == READY_MESSAGE:
+        return proc.pid
+    if not ready:
+        proc.terminate()
+        raise DaemonUnavailableError(
+            f"infinityd did not answer within {timeout_s:g}s (daemon.start_timeout_s); its log "
+            f"{layout.log_path} ends with:\n{_log_tail(layout)}")
+    proc.wait(timeout=timeout_s)
+    raise DaemonUnavailableError(
+        f"infinityd failed to start (exit status {proc.returncode}); its log {layout.log_path} "
+        f"ends with:\n{_log_tail(layout)}")
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """True once process `pid` has exited (within the timeout)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+def terminate(pid: int, timeout_s: float) -> bool:
+    """SIGTERM (a clean shutdown too), then wait; True if it exited."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    return wait_for_exit(pid, timeout_s)

@@ -1,0 +1,559 @@
+"""The server: binds the control socket and the fd channel, and turns requests into catalog calls.
+
+This is the only daemon module that knows both the wire format and the
+catalog. It runs entirely on the event loop's thread: decode a request
+(`infinity.protocol.wire`), act on the catalog and arena, encode the reply.
+Every request is answered item by item; a malformed request gets a typed
+error reply and the loop goes on. A `reserve` that needs a new segment is
+parked, the segment is created on a worker thread, and the request resumes
+where it stopped when the segment is installed (the same path will carry
+NVMe reads and evictions).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, cast
+
+import zmq
+
+from infinity import __version__
+from infinity.config import InfinityConfig
+from infinity.daemon.arena import CpuArena, Segment, SegmentPlan, SpaceShortage, create_segment
+from infinity.daemon.catalog import Catalog, Version
+from infinity.daemon.fdserver import FdConnection, FdServer
+from infinity.daemon.loop import EventLoop
+from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
+from infinity.errors import InfinityError, ProtocolError, TierFullError
+from infinity.protocol import wire
+from infinity.protocol.paths import RuntimeLayout
+from infinity.protocol.wire import ItemError, Placement, ReserveItem
+
+log = logging.getLogger("infinityd")
+
+# Messages served per wake-up before the loop looks at its other fds again.
+ROUTER_BATCH = 256
+HWM_MESSAGES = 100_000
+
+
+@dataclass(slots=True)
+class DaemonCounters:
+    """Daemon-wide counters, kept as work happens (the monitor reads them through `stats`)."""
+
+    requests: int = 0
+    items: int = 0
+    malformed: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    bytes_leased: int = 0
+    bytes_reserved: int = 0
+    bytes_committed: int = 0
+    segments_created: int = 0
+    segment_failures: int = 0
+    parked_requests: int = 0
+
+    def error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+
+@dataclass(eq=False, slots=True)
+class _ParkedReserve:
+    """A reserve request waiting for the tier to grow; `index` is the item to resume at."""
+
+    session: Session
+    identity: bytes
+    request_id: int
+    items: tuple[ReserveItem, ...]
+    results: list[Any]
+    index: int = 0
+
+
+Handler = Callable[[Session, bytes, int, Sequence[Any]], None]
+
+
+class Daemon:
+    """infinityd's state and its request handlers, all on one loop thread."""
+
+    def __init__(self, config: InfinityConfig, layout: RuntimeLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.loop = EventLoop()
+        self.arena = CpuArena(config.cpu, poison=config.daemon.poison_released,
+                              on_retire=self._on_segment_retired)
+        self.catalog = Catalog(self.arena)
+        self.sessions = Sessions()
+        self.counters = DaemonCounters()
+        self._parked: deque[_ParkedReserve] = deque()
+        self._started = time.monotonic()
+        self._closing = False
+        self._context = zmq.Context(io_threads=1)
+        self.router = self._context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
+        self.router.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
+        self.fds = FdServer(layout.fds_path, self.loop, self.arena,
+                            find_session=self.sessions.by_token, on_bound=self._on_fd_bound,
+                            on_closed=self._on_fd_closed)
+        self._handlers: dict[str, Handler] = {
+            "heartbeat": self._heartbeat,
+            "get": self._get,
+            "release": self._release,
+            "reserve": self._reserve,
+            "commit": self._commit,
+            "abort": self._abort,
+            "prefetch": self._prefetch,
+            "delete": self._delete,
+            "exists": self._exists,
+            "list": self._list,
+            "stats": self._stats,
+            "bye": self._bye,
+            "shutdown": self._shutdown,
+            "attach": self._attach_again,
+            "hello": self._hello_again,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Open the control socket and the fd channel (stale socket files are removed first)."""
+        for path in (self.layout.control_path, self.layout.fds_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.router.bind(self.layout.control_endpoint)
+        os.chmod(self.layout.control_path, 0o600)
+        self.fds.start()
+        self.loop.add_reader(self.router, self._on_router)
+        self.loop.call_later(self._sweep_interval_s(), self._sweep)
+
+    def run(self) -> None:
+        log.info("infinityd %s serving %s (CPU tier budget %d bytes in segments of %d, "
+                 "client timeout %.1fs)", __version__, self.layout.root, self.config.cpu.budget_bytes,
+                 self.config.cpu.segment_bytes, self.config.daemon.client_timeout_s)
+        self.loop.run()
+
+    def stop(self) -> None:
+        """Ask the loop to end (thread-safe, signal-safe)."""
+        self.loop.stop()
+
+    def close(self) -> None:
+        self._closing = True
+        for session in list(self.sessions):
+            self._end(session, "daemon stopped")
+        self.fds.close()
+        self.loop.remove_reader(self.router)
+        self.router.close(linger=200)  # lets a shutdown reply leave
+        self._context.term()
+        self.loop.close()
+        self.arena.close()
+        for path in (self.layout.control_path, self.layout.fds_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # --- the control socket -----------------------------------------------------
+
+    def _on_router(self) -> None:
+        router = self.router
+        recv, getsockopt = router.recv, router.getsockopt
+        for _ in range(ROUTER_BATCH):
+            # Asking is cheaper than the exception an empty recv raises.
+            if not cast(int, getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            try:
+                identity = recv(zmq.NOBLOCK)
+                payload = recv(zmq.NOBLOCK) if getsockopt(zmq.RCVMORE) else b""
+            except zmq.Again:
+                return
+            if getsockopt(zmq.RCVMORE) or not payload:
+                extra = 0
+                while getsockopt(zmq.RCVMORE):
+                    recv(zmq.NOBLOCK)
+                    extra += 1
+                self.counters.malformed += 1
+                self._error(identity, 0, ProtocolError(
+                    f"a request is one non-empty ZeroMQ frame, not {extra + 1 if payload else 0}"))
+                continue
+            self._serve(identity, payload)
+
+    def _serve(self, identity: bytes, payload: bytes) -> None:
+        counters = self.counters
+        counters.requests += 1
+        request_id = 0
+        try:
+            envelope = wire.decode_envelope(payload)
+            op, request_id, body = envelope.op, envelope.request_id, envelope.body
+            counters.ops[op] = counters.ops.get(op, 0) + 1
+            session = self.sessions.by_identity.get(identity)
+            if session is None:
+                if op == "hello":
+                    self._hello(identity, request_id, body)
+                elif op == "attach":
+                    self._attach(identity, request_id, body)
+                else:
+                    raise ProtocolError(
+                        f"{op!r} on a socket without a session: it never said hello, or its "
+                        f"session ended (bye, process exit, or daemon.client_timeout_s of "
+                        f"silence); connect again with infinity.connect()")
+                return
+            session.last_seen = time.monotonic()
+            session.counters.requests += 1
+            if envelope.releases:
+                self._release_ids(session, envelope.releases)
+            self._handlers[op](session, identity, request_id, body)
+        except InfinityError as exc:
+            if isinstance(exc, ProtocolError):
+                counters.malformed += 1
+            self._error(identity, request_id, exc)
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("internal error while serving a request")
+            self._error(identity, request_id, InfinityError(
+                f"infinityd failed on this request ({type(exc).__name__}: {exc}); see its log"))
+
+    def _reply(self, identity: bytes, request_id: int, results: list[Any]) -> None:
+        data = wire.encode_reply(request_id, results)
+        try:
+            self.router.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            self.router.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: it will time out
+            log.debug("reply %d not sent: %s", request_id, exc)
+
+    def _error(self, identity: bytes, request_id: int, exc: InfinityError) -> None:
+        self.counters.error(exc.code)
+        try:
+            self.router.send_multipart(
+                [identity, wire.encode_error(request_id, ItemError.of(exc))], zmq.NOBLOCK)
+        except zmq.ZMQError as send_exc:
+            log.debug("error reply %d not sent: %s", request_id, send_exc)
+
+    def _item_error(self, session: Session, exc: InfinityError) -> ItemError:
+        session.counters.errors += 1
+        self.counters.error(exc.code)
+        return ItemError.of(exc)
+
+    # --- sessions -----------------------------------------------------------------
+
+    def _hello(self, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        hello = wire.Hello.from_body(body)
+        session = self.sessions.open(hello, identity)
+        self._watch(session, hello.pid)
+        log.info("%s connected%s", session.describe(),
+                 "" if session.pidfd is not None else " (not watched by pidfd yet)")
+        welcome = wire.Welcome(wire.PROTOCOL_VERSION, session.id, session.token, os.getpid(),
+                               __version__, self.config.daemon.heartbeat_interval_s,
+                               self.config.daemon.client_timeout_s)
+        self._reply(identity, request_id, [welcome.to_wire()])
+
+    def _attach(self, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        attach = wire.Attach.from_body(body)
+        session = self.sessions.by_token(attach.token)
+        if session is None:
+            raise ProtocolError("attach names no open session (it may have timed out); "
+                                "connect again with infinity.connect()")
+        self.sessions.attach(session, identity)
+        session.last_seen = time.monotonic()
+        self._reply(identity, request_id, [None])
+
+    def _hello_again(self, session: Session, identity: bytes, request_id: int,
+                     body: Sequence[Any]) -> None:
+        raise ProtocolError("this socket already belongs to a session; hello is sent once")
+
+    _attach_again = _hello_again
+
+    def _watch(self, session: Session, pid: int) -> None:
+        fd = open_pidfd(pid, session.start_time_s)
+        if fd is None:
+            return
+        if session.pidfd is not None:
+            self.loop.remove_reader(session.pidfd)
+            os.close(session.pidfd)
+        session.pidfd = fd
+        session.watched_pid = pid
+        self.loop.add_reader(fd, lambda: self._end(session, "process exited"))
+
+    def _on_fd_bound(self, session: Session, conn: FdConnection) -> None:
+        # The kernel's view of the peer beats the pid the client claimed (pid namespaces).
+        if conn.peer_pid > 0 and conn.peer_pid != session.watched_pid:
+            self._watch(session, conn.peer_pid)
+
+    def _on_fd_closed(self, conn: FdConnection) -> None:
+        if conn.session is not None and conn.session.alive:
+            conn.session.fd_conn = None
+            self._end(conn.session, "process exited")
+
+    def _end(self, session: Session, reason: str) -> None:
+        if not session.alive:
+            return
+        leases, reservations = self.catalog.drop_client(session.id)
+        self.sessions.remove(session, reason)
+        if session.pidfd is not None:
+            self.loop.remove_reader(session.pidfd)
+            os.close(session.pidfd)
+            session.pidfd = None
+        if session.fd_conn is not None:
+            self.fds.close_connection(session.fd_conn, notify=False)
+            session.fd_conn = None
+        log.info("%s gone (%s): released %d lease(s), discarded %d reservation(s)",
+                 session.describe(), reason, leases, reservations)
+
+    def _sweep_interval_s(self) -> float:
+        return min(1.0, self.config.daemon.client_timeout_s / 5)
+
+    def _sweep(self) -> None:
+        # Serve what is queued first, so a heartbeat that waited behind other work still counts.
+        self._on_router()
+        now = time.monotonic()
+        for session in self.sessions.expired(now, self.config.daemon.client_timeout_s):
+            self._end(session, f"silent for {self.config.daemon.client_timeout_s:g}s")
+        self.loop.call_later(self._sweep_interval_s(), self._sweep)
+
+    def _on_segment_retired(self, segment: int) -> None:
+        for session in self.sessions:
+            if segment in session.mapped_segments:
+                session.mapped_segments.discard(segment)
+                session.retired_pending.add(segment)
+
+    # --- requests -----------------------------------------------------------------
+
+    def _heartbeat(self, session: Session, identity: bytes, request_id: int,
+                   body: Sequence[Any]) -> None:
+        wire.Heartbeat.from_body(body)
+        session.counters.heartbeats += 1
+
+    def _bye(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        wire.Bye.from_body(body)
+        self._end(session, "closed")
+
+    def _get(self, session: Session, identity: bytes, request_id: int,
+             body: Sequence[Any]) -> None:
+        message = wire.Get.from_body(body)
+        _, outcomes = self.catalog.acquire(session.id, request_id, message.items)
+        results: list[Any] = []
+        nbytes = 0
+        for outcome in outcomes:
+            if type(outcome) is Version:
+                results.append(outcome.wire)
+                nbytes += outcome.nbytes
+            else:
+                results.append(self._item_error(session, outcome))  # type: ignore[arg-type]
+        counters = session.counters
+        counters.gets += len(outcomes)
+        counters.items += len(outcomes)
+        counters.get_bytes += nbytes
+        self.counters.items += len(outcomes)
+        self.counters.bytes_leased += nbytes
+        self._reply(identity, request_id, results)
+
+    def _release(self, session: Session, identity: bytes, request_id: int,
+                 body: Sequence[Any]) -> None:
+        self._release_ids(session, wire.Release.from_body(body).lease_ids)
+
+    def _release_ids(self, session: Session, lease_ids: Sequence[int]) -> None:
+        for lease_id in lease_ids:
+            try:
+                self.catalog.release(session.id, lease_id)
+            except InfinityError as exc:  # no reply to carry it: count it
+                self._item_error(session, exc)
+                log.debug("%s: %s", session.describe(), exc)
+        session.counters.releases += len(lease_ids)
+
+    def _reserve(self, session: Session, identity: bytes, request_id: int,
+                 body: Sequence[Any]) -> None:
+        message = wire.Reserve.from_body(body)
+        self._continue_reserve(_ParkedReserve(session, identity, request_id, message.items, []))
+
+    def _continue_reserve(self, request: _ParkedReserve) -> None:
+        session = request.session
+        while request.index < len(request.items):
+            item = request.items[request.index]
+            try:
+                reservation = self.catalog.reserve(session.id, item.namespace, item.name,
+                                                   item.dtype, item.shape)
+            except SpaceShortage as shortage:
+                self._park(request, shortage)
+                return
+            except InfinityError as exc:
+                request.results.append(self._item_error(session, exc))
+            else:
+                cpu = reservation.cpu
+                request.results.append(Placement(
+                    -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+                    reservation.nbytes, reservation.dtype, reservation.shape, 0).to_wire())
+                session.counters.reserve_bytes += reservation.nbytes
+                self.counters.bytes_reserved += reservation.nbytes
+            request.index += 1
+        session.counters.reserves += len(request.items)
+        session.counters.items += len(request.items)
+        self.counters.items += len(request.items)
+        self._reply(request.identity, request.request_id, request.results)
+
+    def _park(self, request: _ParkedReserve, shortage: SpaceShortage) -> None:
+        self.counters.parked_requests += 1
+        if not self.arena.growing:
+            plan = self.arena.plan_growth(shortage)
+            if plan is None:
+                request.results.append(self._item_error(request.session, TierFullError(
+                    f"the CPU tier cannot grow to hold {shortage.nbytes} more bytes; raise "
+                    f"cpu.budget_bytes or delete tensors")))
+                request.index += 1
+                self._continue_reserve(request)
+                return
+            self.loop.run_in_worker(lambda: create_segment(plan, self.config.cpu),
+                                    lambda done: self._grown(plan, done))
+        self._parked.append(request)
+
+    def _grown(self, plan: SegmentPlan, done: Future[Segment]) -> None:
+        parked = list(self._parked)
+        self._parked.clear()
+        try:
+            segment = done.result()
+        except Exception as exc:
+            self.arena.abandon(plan)
+            self.counters.segment_failures += 1
+            error = exc if isinstance(exc, InfinityError) else TierFullError(
+                f"could not create a {plan.size_bytes}-byte CPU-tier segment "
+                f"({type(exc).__name__}: {exc}); lower cpu.budget_bytes or free memory")
+            log.error("CPU tier: %s", error)
+            for request in parked:
+                if request.session.alive:
+                    request.results.append(self._item_error(request.session, error))
+                    request.index += 1
+                    self._continue_reserve(request)
+            return
+        if self._closing:
+            segment.destroy()
+            return
+        self.arena.install(segment)
+        self.counters.segments_created += 1
+        for request in parked:
+            if request.session.alive:  # a dead client's earlier items were already dropped
+                self._continue_reserve(request)
+
+    def _commit(self, session: Session, identity: bytes, request_id: int,
+                body: Sequence[Any]) -> None:
+        message = wire.Commit.from_body(body)
+        results: list[Any] = []
+        for item in message.items:
+            try:
+                version = self.catalog.commit(session.id, item.namespace, item.name)
+            except InfinityError as exc:
+                results.append(self._item_error(session, exc))
+                continue
+            results.append(version.stamp)
+            session.counters.commit_bytes += version.nbytes
+            self.counters.bytes_committed += version.nbytes
+        session.counters.commits += len(message.items)
+        self._reply(identity, request_id, results)
+
+    def _abort(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        message = wire.Abort.from_body(body)
+        results: list[Any] = []
+        for item in message.items:
+            try:
+                self.catalog.abort(session.id, item.namespace, item.name)
+                results.append(None)
+            except InfinityError as exc:
+                results.append(self._item_error(session, exc))
+        self._reply(identity, request_id, results)
+
+    def _prefetch(self, session: Session, identity: bytes, request_id: int,
+                  body: Sequence[Any]) -> None:
+        # Every tensor is resident in the CPU tier until the NVMe tier arrives: a hint to note.
+        message = wire.Prefetch.from_body(body)
+        session.counters.prefetches += len(message.items)
+
+    def _delete(self, session: Session, identity: bytes, request_id: int,
+                body: Sequence[Any]) -> None:
+        message = wire.Delete.from_body(body)
+        results: list[Any] = []
+        for item in message.items:
+            try:
+                self.catalog.delete(item.namespace, item.name)
+                results.append(None)
+            except InfinityError as exc:
+                results.append(self._item_error(session, exc))
+        session.counters.deletes += len(message.items)
+        self._reply(identity, request_id, results)
+
+    def _exists(self, session: Session, identity: bytes, request_id: int,
+                body: Sequence[Any]) -> None:
+        message = wire.Exists.from_body(body)
+        results: list[Any] = []
+        for item in message.items:
+            try:
+                results.append(self.catalog.exists(item.namespace, item.name))
+            except InfinityError as exc:
+                results.append(self._item_error(session, exc))
+        self._reply(identity, request_id, results)
+
+    def _list(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        message = wire.ListTensors.from_body(body)
+        results: list[Any] = []
+        for item in message.items:
+            results.append([
+                wire.TensorInfo(v.key[0], v.key[1], v.dtype, v.shape, v.nbytes, v.stamp,
+                                v.tier).to_wire()
+                for v in self.catalog.listing(item.namespace, item.prefix)])
+        self._reply(identity, request_id, results)
+
+    def _stats(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
+        wire.Stats.from_body(body)
+        self._reply(identity, request_id, [self.stats()])
+
+    def _shutdown(self, session: Session, identity: bytes, request_id: int,
+                  body: Sequence[Any]) -> None:
+        wire.Shutdown.from_body(body)
+        log.info("shutdown requested by %s", session.describe())
+        self._reply(identity, request_id, [None])
+        self.stop()
+
+    # --- reporting ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        clients = []
+        for session in self.sessions:
+            leases, reservations = self.catalog.client_counts(session.id)
+            clients.append({
+                "id": session.id, "name": session.name, "pid": session.pid,
+                "watched_by_pidfd": session.pidfd is not None,
+                "connected_at_s": session.connected_at_s,
+                "idle_s": round(now - session.last_seen, 3),
+                "sockets": len(session.identities), "mapped_segments": len(session.mapped_segments),
+                "leases": leases, "reservations": reservations,
+                **counters_dict(session.counters),
+            })
+        counters = self.counters
+        return {
+            "daemon": {
+                "version": __version__, "protocol": wire.PROTOCOL_VERSION, "pid": os.getpid(),
+                "uptime_s": round(now - self._started, 3), "runtime_dir": self.layout.root,
+                "client_timeout_s": self.config.daemon.client_timeout_s,
+                "poison_released": self.config.daemon.poison_released,
+            },
+            "tiers": {"cpu": {**self.arena.stats(), "hugepages": self.config.cpu.hugepages,
+                              "lock": self.config.cpu.lock}},
+            "catalog": self.catalog.stats(),
+            "clients": clients,
+            "counters": {
+                "requests": counters.requests, "items": counters.items,
+                "malformed": counters.malformed, "ops": dict(counters.ops),
+                "errors": dict(counters.errors), "bytes_leased": counters.bytes_leased,
+                "bytes_reserved": counters.bytes_reserved,
+                "bytes_committed": counters.bytes_committed,
+                "segments_created": counters.segments_created,
+                "segment_failures": counters.segment_failures,
+                "parked_requests": counters.parked_requests,
+                "fds_sent": self.fds.fds_sent,
+                "clients_opened": self.sessions.opened_total,
+                "clients_ended": dict(self.sessions.ended_total),
+            },
+        }

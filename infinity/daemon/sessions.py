@@ -1,0 +1,140 @@
+"""Client sessions: who is attached, through which sockets, whether they are alive, what they did.
+
+A session starts with `hello` on one ZeroMQ socket; each further client thread
+attaches its own socket with the session token, and the fd channel binds to
+it the same way. A session ends on `bye`, when the client process exits (its
+pidfd becomes readable, or its fd channel closes), or when nothing, heartbeats
+included, arrived for `daemon.client_timeout_s`. Per-client counters are kept
+here as work happens, for `stats` and the monitor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+
+from infinity.protocol.wire import Hello
+
+# psutil computes a start time from the same boot time and tick count in every process,
+# so the client's own figure and ours agree to the bit; the slack covers float printing only.
+START_TIME_SLACK_S = 0.005
+
+
+@dataclass(slots=True)
+class ClientCounters:
+    """What one client has done, counted as it happens."""
+
+    requests: int = 0
+    items: int = 0
+    errors: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    reserves: int = 0
+    reserve_bytes: int = 0
+    commits: int = 0
+    commit_bytes: int = 0
+    releases: int = 0
+    deletes: int = 0
+    prefetches: int = 0
+    heartbeats: int = 0
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    name: str
+    pid: int
+    start_time_s: float
+    token: bytes
+    connected_at_s: float  # wall clock, for display
+    last_seen: float  # monotonic
+    identities: set[bytes] = field(default_factory=set)
+    watched_pid: int | None = None
+    pidfd: int | None = None
+    fd_conn: Any = None  # the fd server's connection object, once bound
+    mapped_segments: set[int] = field(default_factory=set)
+    retired_pending: set[int] = field(default_factory=set)
+    counters: ClientCounters = field(default_factory=ClientCounters)
+    alive: bool = True
+
+    def describe(self) -> str:
+        return f"client {self.id} ({self.name!r}, pid {self.pid})"
+
+
+def open_pidfd(pid: int, start_time_s: float) -> int | None:
+    """A pidfd for the process `pid` if it is the one that started at `start_time_s`.
+
+    None when the process cannot be watched this way: it is gone, it is another
+    process that reused the pid, or it lives in a pid namespace we cannot see.
+    The session is then judged by its heartbeats alone.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.Error:
+        os.close(fd)
+        return None
+    if abs(created - start_time_s) > START_TIME_SLACK_S:
+        os.close(fd)
+        return None
+    return fd
+
+
+class Sessions:
+    """Every open session, found by id, socket identity or token."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.by_id: dict[int, Session] = {}
+        self.by_identity: dict[bytes, Session] = {}
+        self._by_token: dict[bytes, Session] = {}
+        self.opened_total = 0
+        self.ended_total: dict[str, int] = {}
+
+    def open(self, hello: Hello, identity: bytes) -> Session:
+        session = Session(next(self._ids), hello.name, hello.pid, hello.start_time_s,
+                          secrets.token_bytes(16), time.time(), time.monotonic())
+        session.identities.add(identity)
+        self.by_id[session.id] = session
+        self.by_identity[identity] = session
+        self._by_token[session.token] = session
+        self.opened_total += 1
+        return session
+
+    def by_token(self, token: bytes) -> Session | None:
+        return self._by_token.get(token)
+
+    def attach(self, session: Session, identity: bytes) -> None:
+        session.identities.add(identity)
+        self.by_identity[identity] = session
+
+    def expired(self, now: float, timeout_s: float) -> list[Session]:
+        return [s for s in self.by_id.values() if now - s.last_seen > timeout_s]
+
+    def remove(self, session: Session, reason: str) -> None:
+        session.alive = False
+        self.by_id.pop(session.id, None)
+        self._by_token.pop(session.token, None)
+        for identity in session.identities:
+            if self.by_identity.get(identity) is session:
+                del self.by_identity[identity]
+        self.ended_total[reason] = self.ended_total.get(reason, 0) + 1
+
+    def __iter__(self) -> Any:
+        return iter(list(self.by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+
+def counters_dict(counters: ClientCounters) -> dict[str, int]:
+    return asdict(counters)

@@ -1,0 +1,94 @@
+"""The runtime folder's layout: where infinityd's sockets, lock and pid file live.
+
+Client and daemon agree on these names through this module alone. The folder is
+`daemon.runtime_dir` (private to the user, 0700); a Unix socket path must fit
+the kernel's 108-byte `sun_path`, so a too-long folder is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from dataclasses import dataclass
+
+from infinity.errors import ConfigError
+
+# sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+@dataclass(frozen=True)
+class RuntimeLayout:
+    """The files of one daemon's runtime folder."""
+
+    root: str
+
+    @property
+    def control_path(self) -> str:
+        return os.path.join(self.root, "control.sock")
+
+    @property
+    def control_endpoint(self) -> str:
+        return "ipc://" + self.control_path
+
+    @property
+    def fds_path(self) -> str:
+        return os.path.join(self.root, "fds.sock")
+
+    @property
+    def lock_path(self) -> str:
+        return os.path.join(self.root, "infinityd.lock")
+
+    @property
+    def pid_path(self) -> str:
+        return os.path.join(self.root, "infinityd.pid")
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.root, "infinityd.log")
+
+    def check(self) -> None:
+        """ConfigError when a socket path would not fit a Unix socket address."""
+        for path in (self.control_path, self.fds_path):
+            if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+                raise ConfigError(
+                    f"daemon.runtime_dir {self.root!r} is too long: the socket path {path!r} must "
+                    f"be at most {MAX_SOCKET_PATH_BYTES} bytes; choose a shorter daemon.runtime_dir")
+
+    def daemon_running(self) -> bool:
+        """True while some infinityd holds this folder's lock (the lock is the truth, not the pid file)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        finally:
+            os.close(fd)  # closing also drops our probe lock at once
+        return False
+
+    def read_pid(self) -> int | None:
+        """The pid written by the daemon that holds the lock, if it has written it yet."""
+        try:
+            with open(self.pid_path) as f:
+                return int(f.read().strip() or 0) or None
+        except (FileNotFoundError, ValueError):
+            return None
+
+
+def child_environment() -> dict[str, str]:
+    """The environment for running `python -m infinity...` as a child: it finds this same package
+    (also when it runs from a source tree that is not installed)."""
+    import infinity
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(infinity.__file__)))
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if package_root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *parts])
+    return env

@@ -1,0 +1,738 @@
+"""The wire format between clients and infinityd: every message's schema and its msgpack codec.
+
+This module is the only place that knows how a message looks in bytes. Both
+sides build the dataclasses below and call `encode_*`; both sides decode with
+`decode_*`, which validate the structure and raise `ProtocolError` (or
+`VersionMismatchError`) for anything malformed, truncated or of the wrong shape.
+No pickle: msgpack with hard limits on string, binary, array and map sizes, and
+no extension types.
+
+Control plane (ZeroMQ, one msgpack frame per message):
+
+    request   [op: str, request_id: int > 0, body: list, (releases: [lease id, ...])]
+              the optional releases are shared leases the client let go of since its
+              last message: served first, exactly as a `release` request would be
+    reply     ["reply", request_id, [result, ...]]     one result per request item, in order;
+              a result is [None, value] or [error_code, message]
+    error     ["error", request_id or 0, error_code, message]   the request as a whole failed
+
+`hello` is the first message of a session; its body starts with the protocol
+version in every version of the protocol, so a mismatched client is told so.
+`heartbeat`, `release`, `prefetch` and `bye` get no reply.
+
+Fd channel (a Unix SOCK_SEQPACKET socket, see `fdpass`): `FdRequest` asks for
+the memfds of CPU-tier segments; `FdReply` carries them as SCM_RIGHTS
+ancillary data, one fd per listed segment, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Sequence, TypeVar, Union, cast
+
+import msgpack
+
+from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, error_from_code
+
+PROTOCOL_VERSION = 1
+
+# Hard limits, enforced while decoding, so a hostile or broken peer cannot make
+# either side allocate without bound. The daemon also caps whole frames
+# (ZeroMQ MAXMSGSIZE) at MAX_MESSAGE_BYTES.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_ITEMS = 1 << 16
+MAX_STR_BYTES = 64 * 1024
+MAX_BIN_BYTES = 64 * 1024
+MAX_MAP_ENTRIES = 1 << 16
+MAX_NAME_CHARS = 1024
+MAX_NAMESPACE_CHARS = 255
+
+_UNPACK_LIMITS: dict[str, Any] = {
+    "raw": False,
+    "use_list": False,  # arrays decode as tuples: cheaper, and hashable (a shape is a dict key)
+    "strict_map_key": True,
+    "max_str_len": MAX_STR_BYTES,
+    "max_bin_len": MAX_BIN_BYTES,
+    "max_array_len": MAX_ITEMS,
+    "max_map_len": MAX_MAP_ENTRIES,
+    "max_ext_len": 0,
+}
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(
+            f"{what} of {len(data)} bytes is not a complete msgpack value ({type(exc).__name__}: "
+            f"{exc}); messages must come from infinity.protocol.wire") from None
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+# --- structural checks, each raising ProtocolError naming the field ------------------
+
+def _bad(where: str, expected: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"malformed {where}: expected {expected}, got {type(value).__name__}")
+
+
+_SEQ = (tuple, list)  # decoded arrays are tuples; schema objects built by hand may hold lists
+
+
+def _list(value: Any, where: str, length: int | None = None) -> Sequence[Any]:
+    if type(value) not in _SEQ:
+        raise _bad(where, "a list", value)
+    if length is not None and len(value) != length:
+        raise ProtocolError(f"malformed {where}: expected {length} fields, got {len(value)}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _bad(where, "a string", value)
+    return value
+
+
+def _int(value: Any, where: str, *, minimum: int = 0) -> int:
+    if type(value) is not int:
+        raise _bad(where, "an integer", value)
+    if value < minimum:
+        raise ProtocolError(f"malformed {where}: {value} is below {minimum}")
+    return value
+
+
+def _float(value: Any, where: str) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise _bad(where, "a number", value)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(where, "true or false", value)
+    return value
+
+
+def _bytes(value: Any, where: str) -> bytes:
+    if type(value) is not bytes:
+        raise _bad(where, "binary", value)
+    return value
+
+
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    dims = _list(value, where)
+    for dim in dims:
+        if type(dim) is not int:
+            raise _bad(where, "a list of integers", dim)
+    return tuple(dims)
+
+
+# --- per-item schemas ------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor named in a request: [namespace, name]."""
+
+    namespace: str
+    name: str
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.name]
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> TensorRef:
+        ns, name = _list(value, where, 2)
+        return cls(_str(ns, where + " namespace"), _str(name, where + " name"))
+
+
+class GetItem(NamedTuple):
+    """One tensor of a `get`: [namespace, name, exclusive].
+
+    A NamedTuple rather than a dataclass: a batched get decodes dozens per request.
+    """
+
+    namespace: str
+    name: str
+    exclusive: bool = False
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.name, self.exclusive]
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> GetItem:
+        if type(value) not in _SEQ or len(value) != 3:
+            _list(value, where, 3)
+        ns, name, exclusive = value
+        if type(ns) is not str or type(name) is not str or type(exclusive) is not bool:
+            _str(ns, where + " namespace")
+            _str(name, where + " name")
+            _bool(exclusive, where + " exclusive")
+        return cls(ns, name, exclusive)
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveItem:
+    """One fresh slice asked of `reserve`: [namespace, name, dtype, shape]."""
+
+    namespace: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.name, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> ReserveItem:
+        ns, name, dtype, shape = _list(value, where, 4)
+        return cls(_str(ns, where + " namespace"), _str(name, where + " name"),
+                   _str(dtype, where + " dtype"), _shape(shape, where + " shape"))
+
+
+@dataclass(frozen=True, slots=True)
+class ListItem:
+    """One listing asked of `list`: [namespace, name prefix]."""
+
+    namespace: str
+    prefix: str = ""
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.prefix]
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> ListItem:
+        ns, prefix = _list(value, where, 2)
+        return cls(_str(ns, where + " namespace"), _str(prefix, where + " prefix"))
+
+
+_Item = TypeVar("_Item", TensorRef, GetItem, ReserveItem, ListItem)
+
+
+def _items(body: Sequence[Any], op: str, kind: type[_Item]) -> tuple[_Item, ...]:
+    where = f"{op} item"
+    return tuple(kind.from_wire(value, where) for value in body)
+
+
+# --- requests ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Opens a session: protocol version, client name, pid and process start time."""
+
+    OP: ClassVar[str] = "hello"
+    version: int
+    name: str
+    pid: int
+    start_time_s: float
+
+    def body(self) -> list[Any]:
+        return [self.version, self.name, self.pid, self.start_time_s]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Hello:
+        # The version is checked before anything else so that any other version's hello,
+        # whatever else it carries, gets a VersionMismatchError rather than a ProtocolError.
+        if body and type(body[0]) is int and body[0] != PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"the client speaks Infinity protocol {body[0]} but this infinityd speaks "
+                f"{PROTOCOL_VERSION}; install the same Infinity version for both and restart "
+                f"the daemon (infinityd stop; infinityd start)")
+        version, name, pid, start = _list(body, "hello", 4)
+        return cls(_int(version, "hello version"), _str(name, "hello name"),
+                   _int(pid, "hello pid", minimum=1), _float(start, "hello start_time_s"))
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Adds another socket (one per client thread) to an open session."""
+
+    OP: ClassVar[str] = "attach"
+    token: bytes
+
+    def body(self) -> list[Any]:
+        return [self.token]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Attach:
+        (token,) = _list(body, "attach", 1)
+        return cls(_bytes(token, "attach token"))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Says the client is alive; no reply."""
+
+    OP: ClassVar[str] = "heartbeat"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Heartbeat:
+        _list(body, "heartbeat", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Ends the session: every lease and reservation of the client is dropped; no reply."""
+
+    OP: ClassVar[str] = "bye"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Bye:
+        _list(body, "bye", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Asks for the daemon's counters; answered with one result, a map."""
+
+    OP: ClassVar[str] = "stats"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Stats:
+        _list(body, "stats", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Asks the daemon to stop cleanly; answered with one result (None) before it stops."""
+
+    OP: ClassVar[str] = "shutdown"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Shutdown:
+        _list(body, "shutdown", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """Leases tensors (shared or exclusive) under one lease named by this request's id;
+    each result is a Placement."""
+
+    OP: ClassVar[str] = "get"
+    items: tuple[GetItem, ...]
+
+    def body(self) -> list[Any]:
+        return list(self.items)  # msgpack writes a (named) tuple as an array: no copies needed
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Get:
+        for value in body:  # decoded items are tuples already: check them, build nothing
+            if not (type(value) is tuple and len(value) == 3 and type(value[0]) is str
+                    and type(value[1]) is str and type(value[2]) is bool):
+                return cls(_items(body, "get", GetItem))  # the slow path names the fault
+        return cls(cast("tuple[GetItem, ...]", body))
+
+    @classmethod
+    def for_names(cls, namespace: str, names: Sequence[str], exclusive: bool) -> Get:
+        """A get of several names of one namespace (plain triples are GetItems on the wire)."""
+        return cls(cast("tuple[GetItem, ...]", tuple((namespace, n, exclusive) for n in names)))
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Ends leases, each named by the request id of the get that took it; no reply."""
+
+    OP: ClassVar[str] = "release"
+    lease_ids: tuple[int, ...]
+
+    def body(self) -> list[Any]:
+        return list(self.lease_ids)
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Release:
+        for value in body:
+            if type(value) is not int:
+                raise _bad("release item", "a lease id", value)
+        return cls(tuple(body))
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Allocates fresh slices to fill before `commit`; each result is a Placement."""
+
+    OP: ClassVar[str] = "reserve"
+    items: tuple[ReserveItem, ...]
+
+    def body(self) -> list[Any]:
+        return [item.to_wire() for item in self.items]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Reserve:
+        return cls(_items(body, "reserve", ReserveItem))
+
+
+@dataclass(frozen=True, slots=True)
+class _NamedItems:
+    """Base of the requests whose items are just tensor names."""
+
+    OP: ClassVar[str] = ""
+    items: tuple[TensorRef, ...]
+
+    def body(self) -> list[Any]:
+        return [item.to_wire() for item in self.items]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Any:
+        return cls(_items(body, cls.OP, TensorRef))
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(_NamedItems):
+    """Publishes this client's reservations as the new versions; each result is a version."""
+
+    OP: ClassVar[str] = "commit"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_NamedItems):
+    """Discards this client's reservations; each result is None."""
+
+    OP: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(_NamedItems):
+    """Hints that these tensors are needed soon; no reply."""
+
+    OP: ClassVar[str] = "prefetch"
+
+
+@dataclass(frozen=True, slots=True)
+class Delete(_NamedItems):
+    """Removes names; readers keep their versions until they release. Each result is None."""
+
+    OP: ClassVar[str] = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class Exists(_NamedItems):
+    """Asks whether names exist; each result is a bool."""
+
+    OP: ClassVar[str] = "exists"
+
+
+@dataclass(frozen=True, slots=True)
+class ListTensors:
+    """Lists a namespace; each result is a list of TensorInfo."""
+
+    OP: ClassVar[str] = "list"
+    items: tuple[ListItem, ...]
+
+    def body(self) -> list[Any]:
+        return [item.to_wire() for item in self.items]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> ListTensors:
+        return cls(_items(body, "list", ListItem))
+
+
+Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
+                Abort, Prefetch, Delete, Exists, ListTensors]
+
+REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
+    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, Abort,
+    Prefetch, Delete, Exists, ListTensors)}
+
+# Operations the daemon never answers (a client must not wait for them).
+NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})
+
+
+def encode_request(request_id: int, message: Request, releases: Sequence[int] = ()) -> bytes:
+    """`releases`: shared-lease ids whose release rides along, served before the request."""
+    if releases:
+        return _pack([message.OP, request_id, message.body(), list(releases)])
+    return _pack([message.OP, request_id, message.body()])
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A request split from its body: op, request id, body, and lease ids released with it."""
+
+    op: str
+    request_id: int
+    body: Sequence[Any]
+    releases: Sequence[int]
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    """Split a request into its envelope; ProtocolError if it is not one."""
+    value = _unpack(data, "request")
+    if type(value) not in _SEQ or not 3 <= len(value) <= 4:
+        raise ProtocolError("malformed request: expected [op, request_id, body, (releases)]")
+    op, request_id, body = value[0], value[1], value[2]
+    if type(request_id) is not int or not 0 < request_id < 1 << 63:
+        raise ProtocolError("malformed request: request_id must be an integer in [1, 2**63)")
+    if type(op) is not str or op not in REQUESTS:
+        raise ProtocolError(f"unknown operation {op!r}; known: {', '.join(sorted(REQUESTS))}")
+    if type(body) not in _SEQ:
+        raise _bad(f"{op} request body", "a list", body)
+    releases: Sequence[int] = ()
+    if len(value) == 4:
+        releases = _list(value[3], "piggybacked releases")
+        for lease_id in releases:
+            if type(lease_id) is not int:
+                raise _bad("piggybacked release", "a lease id", lease_id)
+    return Envelope(op, request_id, body, releases)
+
+
+def decode_body(op: str, body: Sequence[Any]) -> Request:
+    """The schema object for an envelope's body (op from `decode_envelope`)."""
+    message: Request = REQUESTS[op].from_body(body)
+    return message
+
+
+# --- results ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ItemError:
+    """A failed item (or request): an error code from infinity.errors and a message."""
+
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: InfinityError) -> ItemError:
+        return cls(exc.code, str(exc))
+
+    def exception(self) -> InfinityError:
+        return error_from_code(self.code, self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The answer to `hello`: the session's identity and the daemon's liveness rules."""
+
+    version: int
+    client_id: int
+    token: bytes
+    daemon_pid: int
+    daemon_version: str
+    heartbeat_interval_s: float
+    client_timeout_s: float
+
+    def to_wire(self) -> list[Any]:
+        return [self.version, self.client_id, self.token, self.daemon_pid, self.daemon_version,
+                self.heartbeat_interval_s, self.client_timeout_s]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Welcome:
+        v, cid, token, pid, dver, hb, timeout = _list(value, "welcome", 7)
+        return cls(_int(v, "welcome version"), _int(cid, "welcome client_id"),
+                   _bytes(token, "welcome token"), _int(pid, "welcome daemon_pid"),
+                   _str(dver, "welcome daemon_version"), _float(hb, "welcome heartbeat_interval_s"),
+                   _float(timeout, "welcome client_timeout_s"))
+
+
+class Placement(NamedTuple):
+    """Where a leased or reserved tensor lies: segment -1 for a tensor of zero bytes.
+
+    `version` is 0 for a reservation. A get's lease has no id of its own: it is
+    the get's request id, and `release` names it so. That keeps a version's
+    placement identical from one get to the next, so the daemon sends the same
+    value every time and the client can key its cached views by it. A
+    NamedTuple: a batched get decodes dozens per reply.
+    """
+
+    segment: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.segment, self.offset, self.nbytes, self.dtype, list(self.shape),
+                self.version]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Placement:
+        if type(value) not in _SEQ or len(value) != 6:
+            _list(value, "placement", 6)
+        segment, offset, nbytes, dtype, shape, version = value
+        if not (type(segment) is int and type(offset) is int and type(nbytes) is int
+                and type(dtype) is str and type(version) is int and type(shape) in _SEQ
+                and segment >= -1 and offset >= 0 and nbytes >= 0):
+            raise ProtocolError(f"malformed placement {value!r}")
+        for dim in shape:
+            if type(dim) is not int:
+                raise ProtocolError(f"malformed placement shape {shape!r}")
+        return cls(segment, offset, nbytes, dtype, tuple(shape), version)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One entry of a `list` result."""
+
+    namespace: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    tier: str  # "cpu" today; "nvme" / "cpu+nvme" once the NVMe tier is behind it
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.name, self.dtype, list(self.shape), self.nbytes,
+                self.version, self.tier]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> TensorInfo:
+        ns, name, dtype, shape, nbytes, version, tier = _list(value, "tensor info", 7)
+        return cls(_str(ns, "tensor info namespace"), _str(name, "tensor info name"),
+                   _str(dtype, "tensor info dtype"), _shape(shape, "tensor info shape"),
+                   _int(nbytes, "tensor info nbytes"), _int(version, "tensor info version"),
+                   _str(tier, "tensor info tier"))
+
+
+def decode_version(value: Any) -> int:
+    return _int(value, "commit result")
+
+
+def decode_bool(value: Any) -> bool:
+    return _bool(value, "exists result")
+
+
+def decode_none(value: Any) -> None:
+    if value is not None:
+        raise _bad("result", "nothing", value)
+
+
+def decode_infos(value: Any) -> list[TensorInfo]:
+    return [TensorInfo.from_wire(entry) for entry in _list(value, "list result")]
+
+
+def decode_stats(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _bad("stats result", "a map", value)
+    return value
+
+
+Result = Union[ItemError, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A decoded reply: results item by item, or `failure` when the whole request failed."""
+
+    request_id: int
+    results: tuple[Result, ...]
+    failure: ItemError | None = None
+
+
+def encode_reply(request_id: int, results: Sequence[Result]) -> bytes:
+    """`results` holds wire values (from `to_wire()` or plain scalars) and ItemErrors."""
+    wire = [[r.code, r.message] if type(r) is ItemError else [None, r] for r in results]
+    return _pack(["reply", request_id, wire])
+
+
+def encode_error(request_id: int, error: ItemError) -> bytes:
+    return _pack(["error", request_id, error.code, error.message])
+
+
+def _item_error(code: Any, message: Any) -> ItemError:
+    return ItemError(_str(code, "error code"), _str(message, "error message"))
+
+
+def decode_reply(data: bytes) -> Reply:
+    value = _unpack(data, "reply")
+    if type(value) not in _SEQ or not value:
+        raise ProtocolError("malformed reply: expected a list")
+    kind = value[0]
+    if kind == "reply":
+        _, request_id, wire = _list(value, "reply", 3)
+        try:
+            results = tuple(payload if code is None else _item_error(code, payload)
+                            for code, payload in _list(wire, "reply results"))
+        except (TypeError, ValueError):
+            raise ProtocolError("malformed reply: each result must be [code or None, value]") \
+                from None
+        return Reply(_int(request_id, "reply request_id"), results)
+    if kind == "error":
+        _, request_id, code, message = _list(value, "error reply", 4)
+        return Reply(_int(request_id, "error request_id"), (),
+                     ItemError(_str(code, "error code"), _str(message, "error message")))
+    raise ProtocolError(f"malformed reply: unknown kind {kind!r}")
+
+
+# --- the fd channel -----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """A CPU-tier segment handed over the fd channel: its id and size."""
+
+    segment: int
+    size_bytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.segment, self.size_bytes]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> SegmentInfo:
+        segment, size = _list(value, "segment info", 2)
+        return cls(_int(segment, "segment id"), _int(size, "segment size", minimum=1))
+
+
+@dataclass(frozen=True, slots=True)
+class FdRequest:
+    """Asks for segment fds: `want` lists ids, or None for every live segment.
+
+    The first request on a connection binds it to the session named by `token`.
+    """
+
+    token: bytes
+    want: tuple[int, ...] | None
+
+    def encode(self) -> bytes:
+        return _pack([self.token, None if self.want is None else list(self.want)])
+
+    @classmethod
+    def decode(cls, data: bytes) -> FdRequest:
+        token, want = _list(_unpack(data, "fd request"), "fd request", 2)
+        wanted = None if want is None else tuple(
+            _int(s, "fd request segment") for s in _list(want, "fd request want"))
+        return cls(_bytes(token, "fd request token"), wanted)
+
+
+@dataclass(frozen=True, slots=True)
+class FdReply:
+    """Segments whose fds ride along (same order), segments retired since the last reply,
+    whether more replies follow (at most `MAX_FDS_PER_MESSAGE` fds per message), or an error."""
+
+    segments: tuple[SegmentInfo, ...]
+    retired: tuple[int, ...] = ()
+    more: bool = False
+    error: ItemError | None = None
+
+    MAX_FDS_PER_MESSAGE: ClassVar[int] = 200  # below the kernel's SCM_MAX_FD of 253
+
+    def encode(self) -> bytes:
+        error = None if self.error is None else [self.error.code, self.error.message]
+        return _pack([[s.to_wire() for s in self.segments], list(self.retired), self.more, error])
+
+    @classmethod
+    def decode(cls, data: bytes) -> FdReply:
+        segments, retired, more, error = _list(_unpack(data, "fd reply"), "fd reply", 4)
+        item_error = None
+        if error is not None:
+            code, message = _list(error, "fd reply error", 2)
+            item_error = ItemError(_str(code, "fd error code"), _str(message, "fd error message"))
+        return cls(tuple(SegmentInfo.from_wire(s) for s in _list(segments, "fd reply segments")),
+                   tuple(_int(r, "retired segment") for r in _list(retired, "fd reply retired")),
+                   _bool(more, "fd reply more"), item_error)

@@ -1,0 +1,138 @@
+"""The Client API's own behaviour: leases as context managers, batches, specs, closing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import wait_until
+from infinity.errors import DaemonUnavailableError, InvalidRequestError, NotFoundError
+
+
+def test_get_context_releases_the_lease_at_the_end_of_the_block(client: Any) -> None:
+    client.put("g", torch.arange(4.0))
+    with client.get("g") as view:
+        assert client.stats()["catalog"]["num_leases"] == 1
+        assert torch.equal(view, torch.arange(4.0))
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_lease_release_is_idempotent_and_reports_the_version(client: Any) -> None:
+    version = client.put("v", torch.ones(1))
+    lease = client.get("v")
+    assert lease.version == version
+    lease.release()
+    lease.release()
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_get_many_yields_views_in_request_order(client: Any) -> None:
+    client.put_many({f"m{i}": torch.full((i + 1,), float(i)) for i in range(32)})
+    names = [f"m{i}" for i in reversed(range(32))]
+    with client.get_many(names) as views:
+        assert [int(v[0]) for v in views] == list(reversed(range(32)))
+        catalog = client.stats()["catalog"]
+        assert catalog["num_leases"] == 1 and catalog["num_leased_tensors"] == 32
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_get_many_with_a_missing_name_raises_and_keeps_no_lease(client: Any) -> None:
+    client.put("here", torch.ones(1))
+    with pytest.raises(NotFoundError, match="missing"):
+        client.get_many(["here", "missing", "here"])
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_reserve_accepts_a_template_tensor_or_a_dtype_and_shape(client: Any) -> None:
+    template = torch.zeros(3, 5, dtype=torch.float16)
+    views = client.reserve({"from_tensor": template, "from_spec": (torch.int32, [2, 2])})
+    assert views["from_tensor"].dtype == torch.float16 and views["from_tensor"].shape == (3, 5)
+    assert views["from_spec"].dtype == torch.int32 and views["from_spec"].shape == (2, 2)
+    views["from_spec"].copy_(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
+    versions = client.commit(["from_tensor", "from_spec"])
+    assert set(versions) == {"from_tensor", "from_spec"}
+    with client.get("from_spec") as view:
+        assert view.tolist() == [[1, 2], [3, 4]]
+
+
+def test_reserved_view_is_invisible_until_commit(client: Any) -> None:
+    views = client.reserve({"later": (torch.float32, (3,))})
+    assert not client.exists("later")
+    views["later"].fill_(9)
+    client.commit("later")
+    with client.get("later") as view:
+        assert torch.all(view == 9)
+
+
+def test_put_of_a_non_contiguous_tensor_stores_its_values(client: Any) -> None:
+    source = torch.arange(24.0).reshape(4, 6).t()
+    client.put("t", source)
+    with client.get("t") as view:
+        assert view.is_contiguous() and torch.equal(view, source)
+
+
+def test_put_many_is_one_reserve_and_one_commit(client: Any) -> None:
+    before = client.stats()["counters"]["ops"]
+    client.put_many({"a": torch.ones(2), "b": torch.zeros(3)})
+    after = client.stats()["counters"]["ops"]
+    assert after.get("reserve", 0) - before.get("reserve", 0) == 1
+    assert after.get("commit", 0) - before.get("commit", 0) == 1
+
+
+def test_delete_of_several_names_in_one_call(client: Any) -> None:
+    client.put_many({"d1": torch.ones(1), "d2": torch.ones(1)})
+    client.delete(["d1", "d2"])
+    assert client.exists_many(["d1", "d2"]) == [False, False]
+
+
+def test_delete_of_an_unknown_name_is_not_found(client: Any) -> None:
+    with pytest.raises(NotFoundError):
+        client.delete("never")
+
+
+def test_unsupported_dtype_is_refused_before_it_is_sent(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="cannot be stored"):
+        client.put("q", torch.zeros(2, dtype=torch.complex32))
+
+
+def test_prefetch_needs_no_reply_and_is_counted(client: Any) -> None:
+    client.put("p", torch.ones(1))
+    client.prefetch(["p", "p"])
+    assert client.stats()["clients"][0]["prefetches"] == 2
+
+
+def test_closed_client_refuses_calls_and_its_session_ends(daemon: Any) -> None:
+    first = daemon.connect("first")
+    first.put("c", torch.ones(1))
+    lease = first.get("c")
+    first.close()
+    with pytest.raises(DaemonUnavailableError, match="closed"):
+        first.get("c")
+    lease.release()  # harmless after close
+    with daemon.connect("second") as second:
+        # The bye travels on another socket than second's requests, so it may land just after.
+        wait_until(lambda: [c["name"] for c in second.stats()["clients"]] == ["second"],
+                   timeout_s=5, what="the first session to end")
+        assert second.stats()["catalog"]["num_leases"] == 0
+
+
+def test_client_works_as_a_context_manager(daemon: Any) -> None:
+    with daemon.connect("ctx") as client:
+        client.put("x", torch.ones(1))
+    assert client._closed
+
+
+def test_client_and_protocol_never_import_the_daemon() -> None:
+    import subprocess
+    import sys
+
+    from conftest import clean_environment
+
+    code = ("import sys, infinity.client.client, infinity.client.admin, infinity.protocol.wire; "
+            "bad = [m for m in sys.modules if m.startswith('infinity.daemon')]; "
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=clean_environment(), timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,201 @@
+"""The daemon's store through one client: versions, leases, the CPU tier's budget and segments."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from infinity.errors import (InvalidRequestError, LeaseError, NotFoundError, TierFullError,
+                             TooLargeError)
+
+MiB = 1024 * 1024
+
+
+def test_unknown_name_is_not_found(client: Any) -> None:
+    with pytest.raises(NotFoundError, match="no tensor 'ghost'"):
+        client.get("ghost")
+
+
+def test_name_in_another_namespace_is_not_found_and_the_message_names_where_it_is(
+        client: Any) -> None:
+    client.put("w", torch.ones(2), namespace="model-a")
+    with pytest.raises(NotFoundError, match="'model-a'"):
+        client.get("w", namespace="model-b")
+
+
+def test_tensor_larger_than_the_whole_tier_is_too_large(client: Any) -> None:
+    with pytest.raises(TooLargeError, match="cpu.budget_bytes"):
+        client.reserve({"huge": (torch.uint8, (65 * MiB,))})
+    client.put("after", torch.ones(1))  # still serving
+
+
+def test_full_tier_is_tier_full_with_advice_and_frees_on_delete(client: Any) -> None:
+    block = (torch.uint8, (7 * MiB,))
+    for i in range(9):  # 8 MiB segments, 64 MiB budget: 8 fit one per segment
+        if i == 8:
+            with pytest.raises(TierFullError, match="raise cpu.budget_bytes or delete"):
+                client.reserve({f"b{i}": block})
+        else:
+            client.reserve({f"b{i}": block})
+            client.commit(f"b{i}")
+    client.delete("b0")
+    client.reserve({"b8": block})
+    client.commit("b8")
+
+
+def test_tensor_larger_than_a_segment_gets_a_dedicated_segment_returned_on_delete(
+        client: Any) -> None:
+    value = torch.arange(5 * MiB, dtype=torch.int32)  # 20 MiB > 8 MiB segments
+    client.put("big", value)
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_dedicated_segments"] == 1
+    with client.get("big") as view:
+        assert torch.equal(view, value)
+    client.delete("big")
+    assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] == 0
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    (torch.float32, ()), (torch.uint8, (1,)), (torch.int8, (4097,)), (torch.bfloat16, (3, 333)),
+    (torch.float16, (0, 5)), (torch.bool, (7, 1, 3)), (torch.complex64, (11,)),
+    (torch.float64, (2, 3, 5, 7)), (torch.int64, (1023,)), (torch.float8_e4m3fn, (13,)),
+])
+def test_odd_sizes_and_dtypes_round_trip_bit_exactly(
+        client: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,),
+                        dtype=torch.uint8, generator=torch.Generator().manual_seed(len(shape)))
+    if dtype == torch.bool:
+        raw %= 2  # other bytes are not valid bools, and copies normalise them
+    value = raw[:torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape)
+    client.put("odd", value)
+    with client.get("odd") as view:
+        assert view.dtype == dtype and tuple(view.shape) == shape
+        assert torch.equal(view.reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8))
+
+
+def test_offsets_are_4k_aligned(client: Any) -> None:
+    for i, size in enumerate((1, 4095, 4097, 10000)):
+        client.put(f"a{i}", torch.zeros(size, dtype=torch.uint8))
+    bases = {segment: start for segment, start, _ in client.segment_ranges()}
+    for i in range(4):
+        with client.get(f"a{i}") as view:
+            offsets = [view.data_ptr() - base for base in bases.values()
+                       if 0 <= view.data_ptr() - base]
+            assert min(offsets) % 4096 == 0
+
+
+def test_commit_publishes_a_new_version_while_the_reader_keeps_the_old(client: Any) -> None:
+    old = torch.full((1000,), 1.0)
+    new = torch.full((1000,), 2.0)
+    first = client.put("v", old)
+    with client.get("v") as held:
+        second = client.put("v", new)
+        assert second > first
+        with client.get("v") as fresh:
+            assert torch.equal(fresh, new)
+        assert torch.equal(held, old)  # its bytes stay until the lease ends
+        assert client.stats()["catalog"]["num_versions"] == 2
+    assert client.stats()["catalog"]["num_versions"] == 1
+
+
+def test_exclusive_lease_excludes_shared_ones_and_the_other_way_round(client: Any) -> None:
+    client.put("x", torch.zeros(4))
+    with client.get("x", exclusive=True) as writable:
+        writable.add_(3)
+        with pytest.raises(LeaseError, match="exclusively"):
+            client.get("x")
+    with client.get("x") as view:
+        assert torch.equal(view, torch.full((4,), 3.0))
+        with pytest.raises(LeaseError, match="shared lease"):
+            client.get("x", exclusive=True)
+
+
+def test_delete_keeps_a_leased_version_until_release(client: Any) -> None:
+    client.put("d", torch.arange(10))
+    lease = client.get("d")
+    client.delete("d")
+    assert not client.exists("d")
+    assert torch.equal(lease.tensor, torch.arange(10))
+    assert client.stats()["catalog"]["num_versions"] == 1
+    lease.release()
+    assert client.stats()["catalog"]["num_versions"] == 0
+    assert client.stats()["tiers"]["cpu"]["used_bytes"] == 0
+
+
+def test_abort_frees_the_reservation(client: Any) -> None:
+    client.reserve({"r": (torch.float32, (1000,))})
+    assert client.stats()["catalog"]["num_reservations"] == 1
+    client.abort("r")
+    stats = client.stats()
+    assert stats["catalog"]["num_reservations"] == 0 and stats["tiers"]["cpu"]["used_bytes"] == 0
+
+
+def test_second_reservation_of_the_same_name_by_one_client_is_a_lease_error(client: Any) -> None:
+    client.reserve({"twice": (torch.float32, (2,))})
+    with pytest.raises(LeaseError, match="commit or abort"):
+        client.reserve({"twice": (torch.float32, (2,))})
+
+
+def test_commit_without_a_reservation_is_a_lease_error(client: Any) -> None:
+    with pytest.raises(LeaseError, match="reserve it first"):
+        client.commit("never-reserved")
+
+
+def test_empty_name_is_an_invalid_request(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="tensor name"):
+        client.put("", torch.zeros(1))
+
+
+def test_list_and_exists_see_only_their_namespace(client: Any) -> None:
+    client.put_many({"layer.1": torch.zeros(2), "layer.0": torch.zeros(3, dtype=torch.int8),
+                     "head": torch.zeros(1)}, namespace="m")
+    client.put("layer.9", torch.zeros(1), namespace="other")
+    infos = client.list(namespace="m", prefix="layer.")
+    assert [(i.name, i.dtype, i.shape, i.nbytes, i.tier) for i in infos] == [
+        ("layer.0", "int8", (3,), 3, "cpu"), ("layer.1", "float32", (2,), 8, "cpu")]
+    assert client.exists_many(["head", "layer.9"], namespace="m") == [True, False]
+
+
+def test_counters_follow_the_work_per_client(client: Any) -> None:
+    client.put("c", torch.zeros(256))  # 1 KiB
+    for _ in range(3):
+        with client.get("c"):
+            pass
+    client.prefetch(["c"])
+    stats = client.stats()
+    me = next(c for c in stats["clients"] if c["name"] == "pytest")
+    assert me["gets"] == 3 and me["get_bytes"] == 3 * 1024
+    assert me["commits"] == 1 and me["commit_bytes"] == 1024
+    assert me["prefetches"] == 1 and me["releases"] == 3
+    assert stats["counters"]["ops"]["get"] == 3
+    assert stats["catalog"]["namespaces"] == {"default": {"tensors": 1, "bytes": 1024}}
+
+
+def test_poisoned_release_overwrites_freed_slices(
+        daemon_factory: Callable[..., Any]) -> None:
+    daemon = daemon_factory(**{"daemon.poison_released": True})
+    client = daemon.connect()
+    try:
+        client.put("p", torch.ones(1024))
+        stale = client.get("p")
+        view = stale.tensor
+        client.delete("p")
+        stale.release()
+        client.stats()  # the release has been served once this answers
+        assert torch.isnan(view).all()  # the stale view shows poison, not plausible data
+    finally:
+        client.close()
+
+
+def test_client_lets_go_of_a_retired_dedicated_segment_at_its_next_fetch(client: Any) -> None:
+    client.put("big1", torch.zeros(3 * MiB, dtype=torch.int32))  # 12 MiB: a dedicated segment
+    with client.get("big1"):
+        pass
+    first = {s for s, _, _ in client.segment_ranges()}
+    client.delete("big1")  # its segment is destroyed; this client still maps it
+    client.put("big2", torch.zeros(3 * MiB, dtype=torch.int32))  # maps a new one, hears of the old
+    now = {s for s, _, _ in client.segment_ranges()}
+    retired = first - now
+    assert len(retired) == 1 and len(now - first) == 1

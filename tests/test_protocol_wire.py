@@ -1,0 +1,167 @@
+"""The wire format on its own: every schema round-trips, and bad bytes become typed errors."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from infinity import errors
+from infinity.errors import (InvalidRequestError, NotFoundError, ProtocolError,
+                             VersionMismatchError)
+from infinity.protocol import dtypes, wire
+
+REQUESTS: list[wire.Request] = [
+    wire.Hello(wire.PROTOCOL_VERSION, "trainer", 1234, 1700000000.25),
+    wire.Attach(b"\x01" * 16),
+    wire.Heartbeat(),
+    wire.Bye(),
+    wire.Stats(),
+    wire.Shutdown(),
+    wire.Get((wire.GetItem("ns", "a"), wire.GetItem("ns", "b", True))),
+    wire.Release((3, 4, 5)),
+    wire.Reserve((wire.ReserveItem("ns", "g", "bfloat16", (3, 0, 7)),
+                  wire.ReserveItem("ns", "s", "float32", ()))),
+    wire.Commit((wire.TensorRef("ns", "g"),)),
+    wire.Abort((wire.TensorRef("ns", "g"),)),
+    wire.Prefetch((wire.TensorRef("ns", "x"), wire.TensorRef("ns", "y"))),
+    wire.Delete((wire.TensorRef("ns", "x"),)),
+    wire.Exists((wire.TensorRef("ns", "x"),)),
+    wire.ListTensors((wire.ListItem("ns", "layer."),)),
+]
+
+
+def _decode(data: bytes) -> tuple[int, wire.Request]:
+    envelope = wire.decode_envelope(data)
+    return envelope.request_id, wire.decode_body(envelope.op, envelope.body)
+
+
+@pytest.mark.parametrize("message", REQUESTS, ids=lambda m: m.OP)
+def test_every_request_round_trips_through_its_schema(message: wire.Request) -> None:
+    assert _decode(wire.encode_request(77, message)) == (77, message)
+
+
+def test_releases_ride_along_with_any_request() -> None:
+    envelope = wire.decode_envelope(wire.encode_request(3, wire.Stats(), [7, 8]))
+    assert (envelope.op, envelope.request_id, envelope.releases) == ("stats", 3, (7, 8))
+    assert not wire.decode_envelope(wire.encode_request(3, wire.Stats())).releases
+    with pytest.raises(ProtocolError):
+        wire.decode_envelope(msgpack.packb(["stats", 3, [], ["x"]]))
+
+
+def test_every_operation_has_exactly_one_schema() -> None:
+    assert sorted(wire.REQUESTS) == sorted(m.OP for m in REQUESTS)
+    assert wire.NO_REPLY_OPS <= set(wire.REQUESTS)
+
+
+def test_hello_of_another_version_is_a_version_mismatch_whatever_else_it_carries() -> None:
+    data = msgpack.packb(["hello", 1, [wire.PROTOCOL_VERSION + 1, "x", "not a pid", None, 5]])
+    with pytest.raises(VersionMismatchError, match="protocol"):
+        _decode(data)
+
+
+def test_truncated_request_is_a_protocol_error() -> None:
+    data = wire.encode_request(5, REQUESTS[6])
+    for cut in (1, len(data) // 2, len(data) - 1):
+        with pytest.raises(ProtocolError):
+            _decode(data[:cut])
+
+
+def test_bytes_that_are_not_msgpack_are_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="msgpack"):
+        _decode(b"\xc1\xc1\xc1")
+
+
+def test_trailing_bytes_after_a_message_are_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        _decode(wire.encode_request(5, wire.Stats()) + b"\x00")
+
+
+@pytest.mark.parametrize("value", [
+    ["get", 1],                                  # too few fields
+    ["get", 0, []],                              # request id must be positive
+    ["get", "1", []],                            # request id must be an integer
+    ["fly", 1, []],                              # unknown operation
+    ["get", 1, {"a": 1}],                        # body must be a list
+    ["get", 1, [["ns", "a"]]],                   # get item needs three fields
+    ["get", 1, [["ns", 7, False]]],              # name must be a string
+    ["get", 1, [["ns", "a", 1]]],                # exclusive must be a bool
+    ["reserve", 1, [["ns", "a", "float32", [2, "3"]]]],
+    ["release", 1, ["seven"]],
+    ["stats", 1, [1]],
+    ["hello", 1, [wire.PROTOCOL_VERSION, "x", 0, 1.0]],  # pid must be positive
+])
+def test_wrong_structure_is_a_protocol_error(value: list[object]) -> None:
+    with pytest.raises(ProtocolError):
+        _decode(msgpack.packb(value))
+
+
+def test_extension_types_are_refused() -> None:
+    data = msgpack.packb(["get", 1, [msgpack.ExtType(5, b"abc")]])
+    with pytest.raises(ProtocolError):
+        _decode(data)
+
+
+def test_arrays_beyond_the_item_limit_are_refused() -> None:
+    data = msgpack.packb(["release", 1, list(range(wire.MAX_ITEMS + 1))])
+    with pytest.raises(ProtocolError):
+        _decode(data)
+
+
+def test_reply_results_decode_to_values_and_typed_errors() -> None:
+    placement = wire.Placement(2, 8192, 12, "float32", (3,), 4)
+    data = wire.encode_reply(11, [placement.to_wire(),
+                                  wire.ItemError.of(NotFoundError("no tensor 'x'"))])
+    reply = wire.decode_reply(data)
+    assert reply.request_id == 11 and reply.failure is None
+    assert wire.Placement.from_wire(reply.results[0]) == placement
+    error = reply.results[1]
+    assert isinstance(error, wire.ItemError)
+    raised = error.exception()
+    assert type(raised) is NotFoundError and "no tensor" in str(raised)
+
+
+def test_error_reply_carries_the_request_id_and_the_code() -> None:
+    reply = wire.decode_reply(wire.encode_error(12, wire.ItemError("version", "upgrade")))
+    assert reply.request_id == 12 and reply.results == ()
+    assert reply.failure is not None and type(reply.failure.exception()) is VersionMismatchError
+
+
+@pytest.mark.parametrize("value", [
+    wire.Welcome(1, 2, b"t", 3, "0.1.0", 1.0, 5.0),
+    wire.Placement(-1, 0, 0, "bool", (0, 4), 1),
+    wire.TensorInfo("ns", "a", "int8", (5,), 5, 3, "cpu"),
+])
+def test_result_schemas_round_trip(value: object) -> None:
+    decoded = msgpack.unpackb(msgpack.packb(value.to_wire()))  # type: ignore[attr-defined]
+    assert type(value).from_wire(decoded) == value  # type: ignore[attr-defined]
+
+
+def test_fd_channel_messages_round_trip() -> None:
+    request = wire.FdRequest(b"token", (1, 5))
+    assert wire.FdRequest.decode(request.encode()) == request
+    assert wire.FdRequest.decode(wire.FdRequest(b"t", None).encode()).want is None
+    reply = wire.FdReply((wire.SegmentInfo(1, 4096), wire.SegmentInfo(2, 8192)), (7,), True,
+                         wire.ItemError("lease", "no"))
+    assert wire.FdReply.decode(reply.encode()) == reply
+
+
+def test_every_error_code_names_exactly_one_class() -> None:
+    codes = errors.all_codes()
+    assert len(set(codes.values())) == len(codes)
+    for code, cls in codes.items():
+        assert cls.code == code
+        assert type(errors.error_from_code(code, "m")) is cls
+
+
+def test_nbytes_follow_dtype_and_shape() -> None:
+    assert dtypes.tensor_nbytes("bfloat16", (3, 5)) == 30
+    assert dtypes.tensor_nbytes("complex128", ()) == 16
+    assert dtypes.tensor_nbytes("float32", (7, 0)) == 0
+    assert dtypes.contiguous_strides((2, 3, 4)) == (12, 4, 1)
+
+
+@pytest.mark.parametrize("dtype,shape", [("float33", (1,)), ("float32", (-1,)),
+                                         ("float32", (1,) * 33), ("uint8", (1 << 40, 1 << 20))])
+def test_bad_dtype_or_shape_is_an_invalid_request(dtype: str, shape: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidRequestError):
+        dtypes.tensor_nbytes(dtype, shape)
