@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "aligned_buffer.h"
+#include "copy.h"
 #include "cpu.h"
 #include "crc32c.h"
 #include "engine.h"
@@ -109,6 +110,21 @@ PYBIND11_MODULE(_native, m) {
         return infinity::crc32c_portable(info.ptr, n, seed);
       },
       "data"_a, "seed"_a = 0, "CRC32C by the table method (for tests comparing the two paths).");
+  m.def(
+      "copy_bytes",
+      [](uint64_t dst, uint64_t src, int64_t nbytes, int num_threads) {
+        if (nbytes < 0) throw py::value_error("nbytes is " + std::to_string(nbytes) + "; it must be >= 0");
+        if (nbytes > 0 && (dst == 0 || src == 0)) throw py::value_error("address is 0 (a null pointer)");
+        const uint64_t n = static_cast<uint64_t>(nbytes);
+        if (nbytes > 0 && dst < src + n && src < dst + n)
+          throw py::value_error("source and destination overlap; copy_bytes needs disjoint buffers");
+        py::gil_scoped_release nogil;
+        infinity::copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                             static_cast<size_t>(nbytes), num_threads);
+      },
+      "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
+      "Copy nbytes from src to dst (disjoint), with streaming stores for large copies.");
+  m.def("copy_implementation", &infinity::copy_implementation);
   m.def("crc32c_implementation", &infinity::crc32c_implementation);
   m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");
   m.def("probe_io_uring", &infinity::probe_io_uring, py::call_guard<py::gil_scoped_release>(),

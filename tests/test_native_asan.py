@@ -85,6 +85,14 @@ SCRIPT = textwrap.dedent(
         for b in pending:
             assert eng.wait(b)[0] in (0, errno.ECANCELED)
         os.close(fd)
+
+    # Streaming copy: odd sizes, odd offsets, split across threads.
+    big = n.AlignedBuffer(40 * MiB + 8192)
+    out = n.AlignedBuffer(40 * MiB + 8192)
+    memoryview(big)[: len(data)] = data
+    for size, shift, threads in ((0, 0, 1), (5, 3, 1), (MiB + 77, 1, 1), (40 * MiB + 3, 5, 3)):
+        n.copy_bytes(out.address + shift, big.address + 7, size, threads)
+        assert bytes(memoryview(out)[shift:shift + size]) == bytes(memoryview(big)[7:7 + size])
     print("ASAN-SCRIPT-OK")
     """
 )

@@ -9,7 +9,7 @@ Modules: engine (IOEngine), future (IOFuture), ops (IOOp), buffers
 native (loading and typing infinity._native).
 """
 
-from infinity.io.buffers import ALIGNMENT, aligned_capacity, aligned_empty, crc32c, round_up
+from infinity.io.buffers import ALIGNMENT, aligned_capacity, aligned_empty, copy_into, crc32c, round_up
 from infinity.io.engine import IOEngine
 from infinity.io.errno_map import error_from_errno
 from infinity.io.future import IOFuture
@@ -24,6 +24,7 @@ __all__ = [
     "IOOp",
     "aligned_capacity",
     "aligned_empty",
+    "copy_into",
     "crc32c",
     "crc_count",
     "error_from_errno",

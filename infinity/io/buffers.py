@@ -64,3 +64,17 @@ def crc32c(data: torch.Tensor | bytes | bytearray | memoryview, seed: int = 0) -
             raise ValueError("crc32c needs a contiguous CPU tensor")
         return native().crc32c(data.data_ptr(), data.numel() * data.element_size(), seed)
     return native().crc32c_buffer(data, seed)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int = 1) -> None:
+    """dst.copy_(src) for contiguous CPU tensors of the same dtype and size, with streaming stores.
+
+    Meant for filling memory that another process reads (a shared-memory slice
+    being `put`): large copies skip loading the destination into the cache.
+    Anything else (other dtypes, strides, devices) falls back to `copy_`.
+    """
+    if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype
+            or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
+        dst.copy_(src)
+        return
+    native().copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), num_threads)

@@ -1,0 +1,38 @@
+"""copy_into: the streaming copy used to fill shared slices."""
+
+import pytest
+import torch
+
+from infinity import _native
+from infinity.io import copy_into
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, MiB + 13, 17 * MiB + 5])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_copy_is_exact_for_odd_sizes_and_offsets(nbytes: int, num_threads: int) -> None:
+    src = torch.randint(0, 256, (nbytes + 11,), dtype=torch.uint8)[11:]  # unaligned source
+    dst_storage = torch.zeros(nbytes + 5, dtype=torch.uint8)
+    dst = dst_storage[5:]  # unaligned destination
+    copy_into(dst, src, num_threads=num_threads)
+    assert torch.equal(dst, src)
+    assert torch.count_nonzero(dst_storage[:5]) == 0  # nothing written before the destination
+
+
+def test_other_dtypes_and_strides_fall_back_to_copy() -> None:
+    src = torch.randn(300, 7)
+    dst = torch.empty(7, 300).t()  # non-contiguous destination
+    copy_into(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_overlapping_buffers_are_refused() -> None:
+    t = torch.zeros(2 * MiB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        _native.copy_bytes(t.data_ptr() + 1, t.data_ptr(), MiB, 1)
+
+
+def test_large_copies_use_streaming_stores_where_the_cpu_has_them() -> None:
+    expected = {"avx512": "avx512-stream", "avx2": "avx2-stream"}.get(_native.simd_level(), "memcpy")
+    assert _native.copy_implementation() == expected
