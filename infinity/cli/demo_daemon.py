@@ -92,9 +92,12 @@ def daemon_part(config: InfinityConfig, runtime_dir: Path, console: Console) -> 
         table.add_row("tensors read by process 2", str(seen["tensors"]))
         table.add_row("bit-exact across processes", "yes" if bit_exact else "[red]NO")
         table.add_row("views inside shared segments", "yes" if seen["in_shared_memory"] else "[red]NO")
-        for key in ("version", "cpu", "clients"):
-            if key in stats:
-                table.add_row(key, str(stats[key])[:200])
+        cpu = stats.get("tiers", {}).get("cpu", {})
+        if cpu:
+            table.add_row("CPU tier used / budget",
+                          f"{cpu.get('used_bytes', 0) / MiB:.1f} MiB / {cpu.get('budget_bytes', 0) / MiB:.0f} MiB "
+                          f"in {cpu.get('num_segments', '?')} memfd segments")
+        table.add_row("clients attached now", str(len(stats.get("clients", ()))))
         console.print(table)
         if not bit_exact or not seen["in_shared_memory"]:
             raise RuntimeError("the reader saw different bytes than were written")
