@@ -81,7 +81,7 @@ def daemon_part(config: InfinityConfig, runtime_dir: Path, console: Console) -> 
         if reader.returncode != 0:
             raise RuntimeError(f"the reader process failed: {reader.stderr.strip()[-2000:]}")
         seen = __import__("json").loads(reader.stdout.strip().splitlines()[-1])
-        expected = {name: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy())
+        expected = {name: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                     for name, t in weights.items()}
         bit_exact = seen["crc"] == expected
         stats = client.stats()

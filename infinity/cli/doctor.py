@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import mmap
 import os
@@ -174,8 +175,8 @@ def collect(config: InfinityConfig, extra_dirs: list[str]) -> list[Finding]:
     checks: list[Callable[[], Finding | list[Finding]]] = [
         check_io_uring, check_aio, check_simd, lambda: check_memory(config), check_hugepages, check_numa]
     for path in dict.fromkeys([*config.nvme.dirs, *extra_dirs]):
-        checks.append(lambda p=path: check_direct(p))
-        checks.append(lambda p=path: check_free_space(p, config.nvme.capacity_bytes_per_dir))
+        checks.append(functools.partial(check_direct, path))
+        checks.append(functools.partial(check_free_space, path, config.nvme.capacity_bytes_per_dir))
     findings: list[Finding] = []
     for check in checks:
         try:
