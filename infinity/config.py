@@ -77,6 +77,13 @@ class NvmeConfig:
     stripe_bytes: int = 4 * MiB
     file_grow_bytes: int = 256 * MiB  # preallocation step of each directory's extent file
     direct: str = "auto"  # auto: O_DIRECT where the file system allows it | on | off
+    # read_into / write_from move a tensor through `stream_depth` staging slices of this size
+    # in the CPU tier, one I/O each, so that copies in the client overlap the disk.
+    stream_chunk_bytes: int = 8 * MiB
+    stream_depth: int = 4
+    # When eviction meets dirty tensors, the tier keeps up to this many more bytes of the
+    # coldest dirty tensors being written back, so that later evictions find clean victims.
+    write_behind_bytes: int = 256 * MiB
 
     def validate(self) -> None:
         _require(
@@ -93,6 +100,12 @@ class NvmeConfig:
         )
         _require(self.direct in ("auto", "on", "off"), "nvme.direct must be auto, on or off")
         _require(len(set(self.dirs)) == len(self.dirs), "nvme.dirs lists a directory twice")
+        _require(
+            self.stream_chunk_bytes > 0 and self.stream_chunk_bytes % MiB == 0,
+            "nvme.stream_chunk_bytes must be a positive multiple of 1 MiB (1048576), the checksum block",
+        )
+        _require(1 <= self.stream_depth <= 64, "nvme.stream_depth must be between 1 and 64")
+        _require(self.write_behind_bytes >= 0, "nvme.write_behind_bytes must be 0 (off) or more")
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,15 @@ def clean_environment() -> dict[str, str]:
     return {k: v for k, v in child_environment().items() if not k.startswith("INFINITY_")}
 
 
+def _flag_text(value: Any) -> str:
+    """A typed setting as `--set` text (lists, like nvme.dirs, are comma-separated)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def start_daemon_process(root: str, **overrides: Any) -> RunningDaemon:
     """Start `infinityd run` in `root`/rt with the test settings plus `overrides`
     (keys like "cpu.budget_bytes"); returns once it serves."""
@@ -152,8 +161,7 @@ def start_daemon_process(root: str, **overrides: Any) -> RunningDaemon:
     settings = {**DAEMON_TEST_SETTINGS, "daemon.runtime_dir": os.path.join(root, "rt"), **overrides}
     settings_file = daemon_settings_file(root)
     config = load_config(settings_file, env={}, overrides=settings)
-    flags = [arg for key, value in settings.items()
-             for arg in ("--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
+    flags = [arg for key, value in settings.items() for arg in ("--set", f"{key}={_flag_text(value)}")]
     log_path = os.path.join(root, "infinityd.log")
     read_end, write_end = os.pipe()
     with open(log_path, "wb") as log_file:

@@ -22,6 +22,12 @@ REQUESTS: list[wire.Request] = [
     wire.Reserve((wire.ReserveItem("ns", "g", "bfloat16", (3, 0, 7)),
                   wire.ReserveItem("ns", "s", "float32", ()))),
     wire.Commit((wire.TensorRef("ns", "g"),)),
+    wire.CommitDurable((wire.TensorRef("ns", "g"), wire.TensorRef("ns", "h"))),
+    wire.FlushStore(),
+    wire.StreamOpen("ns", "big", "write", "float16", (1 << 20, 4096)),
+    wire.StreamOpen("ns", "big", "read"),
+    wire.StreamChunk(9, 1, 8 << 20, 3 << 20),
+    wire.StreamClose(9, True, True),
     wire.Abort((wire.TensorRef("ns", "g"),)),
     wire.Prefetch((wire.TensorRef("ns", "x"), wire.TensorRef("ns", "y"))),
     wire.Delete((wire.TensorRef("ns", "x"),)),
@@ -49,7 +55,7 @@ def test_releases_ride_along_with_any_request() -> None:
 
 
 def test_every_operation_has_exactly_one_schema() -> None:
-    assert sorted(wire.REQUESTS) == sorted(m.OP for m in REQUESTS)
+    assert sorted(wire.REQUESTS) == sorted({m.OP for m in REQUESTS})
     assert wire.NO_REPLY_OPS <= set(wire.REQUESTS)
 
 
@@ -130,6 +136,9 @@ def test_error_reply_carries_the_request_id_and_the_code() -> None:
     wire.Welcome(1, 2, b"t", 3, "0.1.0", 1.0, 5.0),
     wire.Placement(-1, 0, 0, "bool", (0, 4), 1),
     wire.TensorInfo("ns", "a", "int8", (5,), 5, 3, "cpu"),
+    wire.StreamInfo(7, 5 << 20, "uint8", (5 << 20,), 0, False, 4 << 20,
+                    (wire.Placement(2, 4096, 4 << 20, "uint8", (4 << 20,), 0),
+                     wire.Placement(3, 0, 4 << 20, "uint8", (4 << 20,), 0))),
 ])
 def test_result_schemas_round_trip(value: object) -> None:
     decoded = msgpack.unpackb(msgpack.packb(value.to_wire()))  # type: ignore[attr-defined]

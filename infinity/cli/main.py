@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--io-bytes", type=int, default=1 << 30,
                       help="bytes the I/O part writes and reads back (default 1 GiB)")
 
-    verify = sub.add_parser("verify", help="check every stored tensor's checksums")
+    verify = sub.add_parser("verify", help="check every flushed tensor's checksums (offline: stop "
+                            "infinityd first); exit status 1 if any is corrupted")
     _add_config_flags(verify)
+    verify.add_argument("--json", action="store_true", help="print a JSON report")
     return parser
 
 

@@ -53,7 +53,9 @@ class Channel:
                 f"infinityd did not take a {message.OP} request within {self.timeout_s:g}s "
                 f"(daemon.request_timeout_s); is it running? (infinityd status)") from None
 
-    def wait(self, request_id: int, *, what: str) -> wire.Reply:
+    def wait(self, request_id: int, *, what: str, patient: bool = False) -> wire.Reply:
+        """The reply to `request_id`. patient: no time limit while the daemon is alive (for
+        work that takes as long as the data is large, like durable flushes)."""
         if self._stash:
             reply = self._stash.pop(request_id, None)
             if reply is not None:
@@ -72,7 +74,7 @@ class Channel:
                     raise DaemonUnavailableError(
                         f"infinityd went away during {what}: {gone}; restart it "
                         f"(infinityd start) and connect again") from None
-                if time.monotonic() > deadline:
+                if not patient and time.monotonic() > deadline:
                     self._waiting.discard(request_id)
                     raise DaemonUnavailableError(
                         f"infinityd did not answer {what} within {self.timeout_s:g}s "
@@ -89,9 +91,9 @@ class Channel:
             # Anything else answers a request nobody waits for (a refused no-reply request).
 
     def call(self, request_id: int, message: wire.Request, *,
-             releases: Sequence[int] = ()) -> wire.Reply:
+             releases: Sequence[int] = (), patient: bool = False) -> wire.Reply:
         self.send(request_id, message, expect_reply=True, releases=releases)
-        return self.wait(request_id, what=message.OP)
+        return self.wait(request_id, what=message.OP, patient=patient)
 
     def close(self, *, linger_ms: int = 0) -> None:
         """`linger_ms` lets a last no-reply message (bye) leave before the socket goes."""

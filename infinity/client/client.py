@@ -6,6 +6,16 @@
         y = x @ w
     views = client.reserve({"g": (torch.float32, (4, 4))})
     views["g"].copy_(grad); client.commit("g")         # readers of the old "g" keep it
+    client.put("w", w, durable=True)                   # returns once it is on NVMe, indexed
+    client.flush_store()                               # every tensor durable, one transaction
+    client.write_from("huge", t); client.read_into("huge", out)   # any size, in pieces
+
+Durability (with an NVMe tier, `nvme.dirs`): a commit is visible at once but
+not durable; `put(..., durable=True)` / `commit(..., durable=True)` and
+`flush_store()` return only once the bytes are on NVMe (fdatasync) and the
+store's index points at them, so a crash of the daemon at any later moment
+keeps them. `flush()` is unrelated: it only makes sure the daemon has heard
+of the leases this client released.
 
 A Client is thread-safe: each thread talks through its own channel (see
 `channel`), all in one session. A background thread sends heartbeats so an
@@ -21,6 +31,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import itertools
+from collections import deque
 import os
 import sys
 import threading
@@ -34,7 +45,9 @@ import zmq
 from infinity.client.channel import Channel
 from infinity.client.segments import SegmentMap, dtype_name
 from infinity.config import InfinityConfig, load_config
-from infinity.errors import DaemonUnavailableError, ForkedClientError, InfinityError
+from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
+                             InvalidRequestError)
+from infinity.io import copy_into
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
 from infinity.protocol.wire import ItemError, Placement
@@ -189,11 +202,13 @@ class Client:
             self._local.channel = channel
         return channel
 
-    def _call(self, message: wire.Request) -> tuple[Any, ...]:
+    def _call(self, message: wire.Request, *, patient: bool = False) -> tuple[Any, ...]:
+        """patient: wait as long as the daemon lives (durable writes take as long as the data
+        is large), instead of daemon.request_timeout_s."""
         self._check_usable()
         channel = self._channel()
         return self._results(channel.call(next(self._request_ids), message,
-                                          releases=self._take_releases()))
+                                          releases=self._take_releases(), patient=patient))
 
     def _send(self, message: wire.Request) -> None:
         self._check_usable()
@@ -295,8 +310,20 @@ class Client:
     def flush(self) -> None:
         """Return once the daemon has served every lease this client released so far (they
         normally reach it with the next request or within daemon.heartbeat_interval_s).
-        Call it before another process needs an exclusive lease on what you released."""
+        Call it before another process needs an exclusive lease on what you released.
+
+        This is about leases only; to make tensors durable on NVMe, see `flush_store`."""
         self._call(wire.Exists(()))
+
+    def flush_store(self) -> dict[str, int]:
+        """Make every tensor of the store durable, and return once it is: dirty tensors are
+        written to NVMe, fdatasync'ed, and the store's index points at all of them in one
+        transaction. Returns {"tensors": count, "bytes": total}. Needs an NVMe tier
+        (nvme.dirs); a tensor under an exclusive lease is reported (LeaseError) and the rest
+        are flushed all the same."""
+        (result,) = self._call(wire.FlushStore(), patient=True)
+        self._raise_first([result])
+        return wire.decode_flush_summary(result)
 
     # --- writes -----------------------------------------------------------------------
 
@@ -333,10 +360,17 @@ class Client:
             raise
         return views
 
-    def commit(self, names: Names, *, namespace: str = "default") -> dict[str, int]:
-        """Publish this client's reservations atomically, each as its name's new version."""
+    def commit(self, names: Names, *, namespace: str = "default",
+               durable: bool = False) -> dict[str, int]:
+        """Publish this client's reservations atomically, each as its name's new version.
+
+        durable=True: return only once they are on NVMe and in the store's index (see the
+        module docstring); if that fails, they are published all the same and the error is
+        raised (the name's last durable version stays what it was on disk)."""
         listed = _names(names)
-        results = self._call(wire.Commit(tuple(wire.TensorRef(namespace, n) for n in listed)))
+        refs = tuple(wire.TensorRef(namespace, n) for n in listed)
+        results = self._call(wire.CommitDurable(refs) if durable else wire.Commit(refs),
+                             patient=durable)
         self._raise_first(results)
         return {name: wire.decode_version(r) for name, r in zip(listed, results)}
 
@@ -345,13 +379,16 @@ class Client:
         listed = _names(names)
         self._raise_first(self._call(wire.Abort(tuple(wire.TensorRef(namespace, n) for n in listed))))
 
-    def put(self, name: str, tensor: torch.Tensor, *, namespace: str = "default") -> int:
-        """Store a copy of `tensor` as `name`'s new version; returns the version number."""
-        return self.put_many({name: tensor}, namespace=namespace)[name]
+    def put(self, name: str, tensor: torch.Tensor, *, namespace: str = "default",
+            durable: bool = False) -> int:
+        """Store a copy of `tensor` as `name`'s new version; returns the version number.
+        durable=True: return once it is durable on NVMe (see `commit`)."""
+        return self.put_many({name: tensor}, namespace=namespace, durable=durable)[name]
 
-    def put_many(self, tensors: Mapping[str, torch.Tensor], *, namespace: str = "default"
-                 ) -> dict[str, int]:
-        """Store several tensors: one reserve request, the copies, one commit request."""
+    def put_many(self, tensors: Mapping[str, torch.Tensor], *, namespace: str = "default",
+                 durable: bool = False) -> dict[str, int]:
+        """Store several tensors: one reserve request, the copies, one commit request
+        (durable=True: made durable together, in one index transaction)."""
         views = self.reserve(tensors, namespace=namespace)
         try:
             for name, tensor in tensors.items():
@@ -359,7 +396,167 @@ class Client:
         except BaseException:
             self.abort(list(views), namespace=namespace)
             raise
-        return self.commit(list(views), namespace=namespace)
+        try:
+            return self.commit(list(views), namespace=namespace, durable=durable)
+        except InfinityError:
+            # What was not published (a request refused as a whole, e.g. durable without an
+            # NVMe tier) is still reserved: drop it. Published items just refuse the abort.
+            self._abort_quietly(list(views), namespace)
+            raise
+
+    def _abort_quietly(self, names: list[str], namespace: str) -> None:
+        try:
+            self._call(wire.Abort(tuple(wire.TensorRef(namespace, n) for n in names)))
+        except InfinityError:
+            pass  # the first error is the one the caller sees
+
+    # --- any size: streams ---------------------------------------------------------------
+
+    def read_into(self, name: str, out: torch.Tensor, *, namespace: str = "default") -> int:
+        """Copy tensor `name` into `out`, whatever its size; returns the version read.
+
+        `out` is any contiguous tensor (any device) of exactly the tensor's byte size; its
+        dtype and shape are not checked. A resident tensor is copied from its shared slice;
+        one only on NVMe is read in chunks of nvme.stream_chunk_bytes through staging slices
+        of the CPU tier (CRC32C verified), nvme.stream_depth of them in flight, without
+        loading it into the tier. Works for tensors larger than the CPU tier, which `get`
+        refuses (TooLargeError).
+        """
+        flat = _byte_view(out, "out")
+        info = self._open_stream(wire.StreamOpen(namespace, name, "read"))
+        try:
+            if info.nbytes != flat.numel():
+                raise InvalidRequestError(
+                    f"tensor {name!r} in namespace {namespace!r} has {info.nbytes} bytes but `out` "
+                    f"holds {flat.numel()}; pass an output of exactly that many bytes")
+            self._stream_in(info, flat)
+        except BaseException:
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+        return self._close_stream(info, commit=False, durable=False)
+
+    def write_from(self, name: str, src: torch.Tensor, *, namespace: str = "default",
+                   durable: bool = False) -> int:
+        """Store a copy of `src` (any contiguous tensor, any size) as `name`'s new version.
+
+        With an NVMe tier, a tensor larger than one chunk goes in chunks through staging
+        slices of the CPU tier straight to fresh NVMe extents (its version then lives on NVMe
+        only, until a get loads it); a smaller one, or any without an NVMe tier, is a `put`.
+        Nothing is published unless every byte was written. durable=True: return once it is
+        durable (see `commit`). Returns the version number.
+        """
+        flat = _byte_view(src, "src")
+        info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
+                                                 tuple(src.shape)))
+        try:
+            self._stream_out(info, flat)
+        except BaseException:
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+        try:
+            return self._close_stream(info, commit=True, durable=durable)
+        except InfinityError:
+            # A close refused as a whole (durable without an NVMe tier) left the stream open.
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+
+    def _open_stream(self, message: wire.StreamOpen) -> wire.StreamInfo:
+        (result,) = self._call(message)
+        self._raise_first([result])
+        return wire.StreamInfo.from_wire(result)
+
+    def _close_stream(self, info: wire.StreamInfo, *, commit: bool, durable: bool,
+                      quiet: bool = False) -> int:
+        try:
+            (result,) = self._call(wire.StreamClose(info.stream_id, commit, durable),
+                                   patient=durable)
+            self._raise_first([result])
+        except InfinityError:
+            if quiet:
+                return 0  # already failing: the first error is the one to raise
+            raise
+        return int(result)
+
+    def _slot_views(self, info: wire.StreamInfo) -> list[torch.Tensor]:
+        assert self._segments is not None
+        return [self._segments.view(slot) for slot in info.slots]
+
+    def _chunk(self, channel: Channel, info: wire.StreamInfo, slot: int, offset: int,
+               nbytes: int) -> int:
+        request_id = next(self._request_ids)
+        channel.send(request_id, wire.StreamChunk(info.stream_id, slot, offset, nbytes),
+                     expect_reply=True, releases=self._take_releases())
+        return request_id
+
+    def _chunk_done(self, channel: Channel, request_id: int) -> None:
+        self._raise_first(self._results(channel.wait(request_id, what="a stream chunk")))
+
+    def _drain(self, channel: Channel, pending: deque[tuple[int, int, int, int]]) -> None:
+        """After a failure: collect the replies still due, so the channel holds no strays."""
+        while pending:
+            request_id = pending.popleft()[0]
+            try:
+                channel.wait(request_id, what="a stream chunk")
+            except InfinityError:
+                return  # the daemon is gone: nothing more will come
+
+    def _stream_in(self, info: wire.StreamInfo, flat: torch.Tensor) -> None:
+        if info.direct:
+            if info.nbytes:
+                flat.copy_(self._slot_views(info)[0][:info.nbytes])
+            return
+        self._check_usable()
+        channel = self._channel()
+        slots = self._slot_views(info)
+        offsets = iter(range(0, info.nbytes, info.chunk_bytes))
+        pending: deque[tuple[int, int, int, int]] = deque()  # (request id, slot, offset, n)
+
+        def issue(slot: int) -> None:
+            offset = next(offsets, None)
+            if offset is not None:
+                n = min(info.chunk_bytes, info.nbytes - offset)
+                pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
+
+        try:
+            for slot in range(len(slots)):
+                issue(slot)
+            while pending:
+                request_id, slot, offset, n = pending.popleft()
+                self._chunk_done(channel, request_id)
+                flat[offset:offset + n].copy_(slots[slot][:n])
+                issue(slot)
+        except BaseException:
+            self._drain(channel, pending)
+            raise
+
+    def _stream_out(self, info: wire.StreamInfo, flat: torch.Tensor) -> None:
+        if info.nbytes != flat.numel():
+            raise InvalidRequestError(f"the stream takes {info.nbytes} bytes, not {flat.numel()}")
+        if info.direct:
+            if info.nbytes:
+                copy_into(self._slot_views(info)[0][:info.nbytes], flat)
+            return
+        self._check_usable()
+        channel = self._channel()
+        slots = self._slot_views(info)
+        free = list(range(len(slots)))
+        pending: deque[tuple[int, int, int, int]] = deque()
+        try:
+            for offset in range(0, info.nbytes, info.chunk_bytes):
+                if not free:
+                    request_id, slot, _, _ = pending.popleft()
+                    self._chunk_done(channel, request_id)
+                    free.append(slot)
+                slot = free.pop()
+                n = min(info.chunk_bytes, info.nbytes - offset)
+                # Streaming stores: this process never reads the slice back.
+                copy_into(slots[slot][:n], flat[offset:offset + n])
+                pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
+            while pending:
+                self._chunk_done(channel, pending.popleft()[0])
+        except BaseException:
+            self._drain(channel, pending)
+            raise
 
     # --- the catalog -------------------------------------------------------------------
 
@@ -439,6 +636,14 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (no copy)."""
+    if not t.is_contiguous():
+        raise InvalidRequestError(f"`{what}` must be contiguous; pass {what}.contiguous() or a "
+                                  f"contiguous buffer")
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _default_name() -> str:

@@ -94,7 +94,9 @@ class SegmentMap:
         self._lock = threading.Lock()
         self._mappings: dict[int, _Mapping] = {}
         self._typed: dict[tuple[int, str], torch.Tensor] = {}
-        self._views: dict[int, torch.Tensor] = {}  # version number -> its view
+        # (version, segment, offset) -> its view: a version evicted to NVMe and loaded again
+        # lands elsewhere, so its number alone does not name one place.
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._closed = False
         with self._lock:
             self._fetch(None)
@@ -117,16 +119,17 @@ class SegmentMap:
         """Views for the results of a get, and the first item error if any.
 
         The same versions are leased again and again (a model's weights every
-        step), and a version never moves, so the view of each version is kept,
-        keyed by its version number (unique for the daemon's life), and handed
-        out as a `detach()`ed alias: a fresh tensor object for the caller at a
-        third of the cost of building the view again. A placement seen for the
-        first time is validated in full (`Placement.from_wire`) before it is kept.
+        step), and a version does not move while it is resident, so the view of
+        each version is kept, keyed by its version number (unique for the
+        daemon's life) and place (a version evicted to NVMe and loaded again
+        lands elsewhere), and handed out as a `detach()`ed alias: a fresh tensor
+        object for the caller at a third of the cost of building the view again.
+        A placement seen for the first time is validated in full
+        (`Placement.from_wire`) before it is kept.
         """
         cache = self._views
         try:
-            # Keyed by version number: unique for the daemon's life, and a version never moves.
-            views = [cache.get(value[5]) for value in results]
+            views = [cache.get((value[5], value[0], value[1])) for value in results]
         except (TypeError, IndexError, KeyError):  # an error or a malformed value: see below
             views = [None] * len(results)
         first_error: ItemError | None = None
@@ -142,7 +145,7 @@ class SegmentMap:
             if placement.segment >= 0 and placement.version > 0:
                 if len(cache) >= _MAX_CACHED_VIEWS:
                     cache.clear()
-                cache[placement.version] = view
+                cache[(placement.version, placement.segment, placement.offset)] = view
         tensors = [view.detach() for view in views if view is not None]
         return tensors, first_error
 
@@ -215,9 +218,9 @@ class SegmentMap:
             del self._typed[key]
         if mapping is not None:
             start, end = mapping.address, mapping.address + mapping.size_bytes
-            for version in [v for v, view in self._views.items()
-                            if start <= view.data_ptr() < end]:
-                del self._views[version]
+            for cached in [k for k, view in self._views.items()
+                           if start <= view.data_ptr() < end]:
+                del self._views[cached]
 
     def daemon_gone(self) -> str | None:
         """Why the daemon is known to be gone (its end of the fd channel closed), or None."""

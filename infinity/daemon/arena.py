@@ -204,7 +204,8 @@ class CpuArena:
         if nbytes > self.budget_bytes:
             raise TooLargeError(
                 f"{what} needs {nbytes} bytes, more than the whole CPU tier (cpu.budget_bytes="
-                f"{self.budget_bytes}); raise cpu.budget_bytes or split the tensor")
+                f"{self.budget_bytes}); raise cpu.budget_bytes, or move it in pieces with "
+                f"client.write_from(name, src) / client.read_into(name, out) (needs nvme.dirs)")
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         dedicated = length > self.config.segment_bytes
         for segment in self.segments.values():
@@ -226,8 +227,8 @@ class CpuArena:
             raise SpaceShortage(length, dedicated=dedicated)
         raise TierFullError(
             f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
-            f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors "
-            f"(eviction to NVMe comes with the NVMe tier)")
+            f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors (with "
+            f"nvme.dirs set, tensors that are not leased are evicted to NVMe instead)")
 
     def plan_growth(self, shortage: SpaceShortage) -> SegmentPlan | None:
         """Claim budget for the segment that resolves `shortage`, or None if it no longer fits."""

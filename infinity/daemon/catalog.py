@@ -1,13 +1,17 @@
 """The catalog: named tensors in namespaces, their versions, leases, reservations and tiers.
 
-It knows nothing about sockets or processes: a client is an integer id. It asks
-a space provider (the CPU arena) for ranges and gives them back when the last
-holder of a version lets go. Rules it enforces:
+It knows nothing about sockets or processes: a client is an integer id. Where
+the bytes live is the business of the `Storage` below it (the tier manager,
+`infinity.daemon.tiers`): the catalog asks it for fresh slices, and tells it
+when a version becomes or stops being its name's current one, when it is
+leased exclusively or written in place, and when the last holder of a version
+let go, so that its CPU slice and NVMe copy can be freed. Rules it enforces:
 
 - `commit` publishes a reservation as the name's new version in one step;
   readers of the old version keep it (and its bytes) until they release.
 - A version under a lease is never freed or moved. A shared lease excludes an
-  exclusive one on the same version and the other way round.
+  exclusive one on the same version and the other way round. A version with
+  I/O in flight (`pins`) is not freed either, until the I/O lets go.
 - Counters (tensors, bytes, leases, per namespace) are kept as work happens,
   never recomputed by walking the catalog.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from infinity.daemon.arena import CpuSlice
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
@@ -26,18 +30,50 @@ from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placemen
 Key = tuple[str, str]  # (namespace, name)
 
 
-class SpaceProvider(Protocol):
-    def allocate(self, nbytes: int, *, what: str) -> CpuSlice: ...
+if TYPE_CHECKING:
+    from infinity.daemon.tiers import DiskCopy
 
-    def free(self, piece: CpuSlice) -> None: ...
+
+class Storage(Protocol):
+    """What the catalog needs of the tiers below it (implemented by `tiers.TierManager`)."""
+
+    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
+        """A fresh CPU slice; may raise SpaceShortage (wait and retry) or a typed error."""
+        ...
+
+    def free(self, piece: CpuSlice) -> None:
+        """An aborted reservation's slice."""
+        ...
+
+    def published(self, version: Version) -> None:
+        """`version` just became its name's current version."""
+        ...
+
+    def unpublished(self, version: Version) -> None:
+        """`version` is no longer current (replaced or deleted); it may still be held."""
+        ...
+
+    def leased_exclusively(self, version: Version) -> None:
+        """An exclusive lease was granted: the holder may write in place from now on."""
+        ...
+
+    def written(self, version: Version) -> None:
+        """An exclusive lease ended: the bytes may have changed (dirty)."""
+        ...
+
+    def retire(self, version: Version) -> None:
+        """Nobody holds `version` any more: free its CPU slice and NVMe copy."""
+        ...
 
 
 @dataclass(eq=False, slots=True)
 class Version:
     """One immutable-by-contract copy of a tensor: written once through a reservation, then published.
 
-    `cpu` is None only for a tensor of zero bytes. The NVMe tier will add its
-    extents and a `dirty` flag meaning "not yet written back".
+    Its bytes are in the CPU tier (`cpu`), on NVMe (`nvme`, a clean copy), or
+    both; `cpu` and `nvme` are both None only for a tensor of zero bytes.
+    `dirty` means the CPU copy has no clean NVMe copy yet. The fields below
+    `dirty` belong to the tier manager.
     """
 
     key: Key
@@ -50,12 +86,30 @@ class Version:
     shared: int = 0
     exclusive: int = 0  # client id of the exclusive holder, 0 if none
     dirty: bool = True  # written in place (exclusive lease) or never written back
-    # The placement's wire form, built once: every get of this version answers with it as is.
+    # The placement's wire form, built when the version lands in the CPU tier: every get of
+    # this version answers with it as is.
     wire: list[Any] = field(default_factory=list)
+    nvme: DiskCopy | None = None
+    pins: int = 0  # I/O in flight on it (loads, write-backs): not freed until they end
+    loading: Any = None  # the load bringing it into the CPU tier, if one is under way
+    writeback: Any = None  # the write-back taking it to NVMe, if one is under way
+    edits: int = 0  # exclusive leases granted so far: a write-back that saw fewer is stale
+    evict_when_clean: bool = False  # chosen as a victim: evict once its write-back is done
+    freed: bool = False  # retired: its slice and copy went back to the tiers
 
     @property
     def tier(self) -> str:
-        return "cpu"
+        """Where its bytes are: "cpu", "nvme" or "cpu+nvme"."""
+        if self.cpu is None:
+            return "nvme" if self.nvme is not None else "cpu"
+        return "cpu+nvme" if self.nvme is not None and not self.dirty else "cpu"
+
+
+def placement_wire(version: Version) -> list[Any]:
+    """The wire form of a version's placement in the CPU tier (segment -1: zero bytes)."""
+    cpu = version.cpu
+    return Placement(-1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+                     version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
 
 
 @dataclass(eq=False, slots=True)
@@ -106,8 +160,8 @@ def check_key(namespace: str, name: str) -> None:
 class Catalog:
     """Names, versions, leases and reservations. Loop thread only (not thread-safe)."""
 
-    def __init__(self, space: SpaceProvider) -> None:
-        self._space = space
+    def __init__(self, storage: Storage) -> None:
+        self._space = storage
         self._namespaces: dict[str, dict[str, Version]] = {}
         self._holdings: dict[int, _Holdings] = {}
         self._ids = itertools.count(1)
@@ -136,6 +190,19 @@ class Catalog:
                     if elsewhere else "; put or reserve+commit it first")
             raise NotFoundError(f"no tensor {name!r} in namespace {namespace!r}{hint}")
         return version
+
+    def current(self, namespace: str, name: str) -> Version:
+        """The name's current version; NotFoundError (with a hint) when there is none."""
+        return self._current(namespace, name)
+
+    def current_versions(self) -> Iterator[Version]:
+        """Every name's current version (a walk: for rare, store-wide requests such as flush)."""
+        for entries in list(self._namespaces.values()):
+            yield from list(entries.values())
+
+    def next_stamp(self) -> int:
+        """A number above every version stamp handed out so far (orders index updates)."""
+        return next(self._stamps)
 
     def exists(self, namespace: str, name: str) -> bool:
         check_key(namespace, name)
@@ -196,6 +263,7 @@ class Catalog:
             if exclusive:
                 version.exclusive = client
                 self.num_exclusive += 1
+                self._space.leased_exclusively(version)
             else:
                 version.shared += 1
             lease.holds.append((version, exclusive))
@@ -214,13 +282,38 @@ class Catalog:
         self.num_leases -= 1
         self.num_held -= len(lease.holds)
         for version, exclusive in lease.holds:
-            if exclusive:
-                version.exclusive = 0
-                version.dirty = True  # written in place: the NVMe tier will write it back
-                self.num_exclusive -= 1
-            else:
-                version.shared -= 1
-            self._maybe_free(version)
+            self._unhold(version, exclusive)
+
+    def _unhold(self, version: Version, exclusive: bool) -> None:
+        if exclusive:
+            version.exclusive = 0
+            self.num_exclusive -= 1
+            self._space.written(version)  # written in place: the NVMe copy is stale
+        else:
+            version.shared -= 1
+        self._maybe_free(version)
+
+    def drop_hold(self, client: int, lease_id: int, version: Version) -> None:
+        """Take one version out of a lease (its load failed, so the get reports an error for it);
+        a lease left empty ends. Nothing happens if the lease is gone (the client went away)."""
+        holdings = self._holdings.get(client)
+        lease = holdings.leases.get(lease_id) if holdings is not None else None
+        if lease is None:
+            return
+        for i, (held, exclusive) in enumerate(lease.holds):
+            if held is version:
+                del lease.holds[i]
+                self.num_held -= 1
+                if not lease.holds:
+                    del holdings.leases[lease_id]  # type: ignore[union-attr]
+                    self.num_leases -= 1
+                if exclusive:  # nothing was written: it was never handed out
+                    version.exclusive = 0
+                    self.num_exclusive -= 1
+                    self._maybe_free(version)
+                else:
+                    self._unhold(version, False)
+                return
 
     # --- writes ---------------------------------------------------------------------
 
@@ -256,12 +349,18 @@ class Catalog:
 
     def commit(self, client: int, namespace: str, name: str) -> Version:
         reservation = self._take_reservation(client, namespace, name)
-        version = Version(reservation.key, next(self._stamps), reservation.dtype,
-                          reservation.shape, reservation.nbytes, reservation.cpu)
-        cpu = reservation.cpu
-        version.wire = Placement(
-            -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
-            version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
+        return self.install(reservation.key, reservation.dtype, reservation.shape,
+                            reservation.nbytes, cpu=reservation.cpu, dirty=True)
+
+    def install(self, key: Key, dtype: str, shape: tuple[int, ...], nbytes: int, *,
+                cpu: CpuSlice | None, dirty: bool, nvme: DiskCopy | None = None) -> Version:
+        """Publish a new version of `key` whose bytes are already in place: a committed
+        reservation (CPU), a streamed write (NVMe), or a flushed tensor found at start-up."""
+        namespace, name = key
+        check_key(namespace, name)
+        version = Version(key, next(self._stamps), dtype, shape, nbytes, cpu, dirty=dirty,
+                          nvme=nvme)
+        version.wire = placement_wire(version)
         entries = self._namespaces.setdefault(namespace, {})
         counters = self.namespace_counters.setdefault(namespace, NamespaceCounters())
         old = entries.get(name)
@@ -272,6 +371,7 @@ class Catalog:
         counters.bytes += version.nbytes
         self.num_tensors += 1
         self.tensor_bytes += version.nbytes
+        self._space.published(version)
         if old is not None:
             self._unpublish(old)
         return version
@@ -293,6 +393,7 @@ class Catalog:
     def _unpublish(self, version: Version) -> None:
         """The version is no longer its name's current one; free it unless someone holds it."""
         version.current = False
+        self._space.unpublished(version)
         namespace = version.key[0]
         counters = self.namespace_counters[namespace]
         counters.tensors -= 1
@@ -303,14 +404,19 @@ class Catalog:
         self.tensor_bytes -= version.nbytes
         self._maybe_free(version)
 
+    def unpinned(self, version: Version) -> None:
+        """I/O on `version` ended (the tier manager lowered `pins`): free it if nobody holds it."""
+        self._maybe_free(version)
+
     def _maybe_free(self, version: Version) -> None:
-        if version.current or version.shared or version.exclusive:
+        if version.current or version.shared or version.exclusive or version.pins:
+            return
+        if version.freed:
             return
         self.num_versions -= 1
         self.version_bytes -= version.nbytes
-        if version.cpu is not None:
-            self._space.free(version.cpu)
-            version.cpu = None
+        version.freed = True
+        self._space.retire(version)
 
     # --- clients going away ------------------------------------------------------------
 

@@ -118,6 +118,12 @@ def format_status(stats: dict[str, Any]) -> str:
         f"up {d['uptime_s']:.1f}s, runtime folder {d['runtime_dir']}",
         f"CPU tier: {_human_bytes(cpu['used_bytes'])} used of {_human_bytes(cpu['budget_bytes'])} "
         f"budget; {cpu['num_segments']} segment(s) holding {_human_bytes(cpu['allocated_bytes'])}",
+        *([f"NVMe tier: {_human_bytes(nvme['used_bytes'])} used of "
+           f"{_human_bytes(nvme['capacity_bytes'])} in {len(nvme['dirs'])} dir(s); "
+           f"{nvme['durable_tensors']} durable tensor(s); "
+           f"{stats['counters']['tiers']['evictions']} eviction(s), "
+           f"{stats['counters']['tiers']['reloads']} reload(s)"]
+          if (nvme := stats["tiers"].get("nvme")) else []),
         f"catalog: {cat['num_tensors']} tensor(s), {_human_bytes(cat['tensor_bytes'])} in "
         f"{len(cat['namespaces'])} namespace(s); {cat['num_leases']} lease(s), "
         f"{cat['num_reservations']} reservation(s)",

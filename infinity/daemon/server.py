@@ -2,21 +2,24 @@
 
 This is the only daemon module that knows both the wire format and the
 catalog. It runs entirely on the event loop's thread: decode a request
-(`infinity.protocol.wire`), act on the catalog and arena, encode the reply.
-Every request is answered item by item; a malformed request gets a typed
-error reply and the loop goes on. A `reserve` that needs a new segment is
-parked, the segment is created on a worker thread, and the request resumes
-where it stopped when the segment is installed (the same path will carry
-NVMe reads and evictions).
+(`infinity.protocol.wire`), act on the catalog, the tiers and the streams,
+encode the reply. Every request is answered item by item; a malformed request
+gets a typed error reply and the loop goes on.
+
+Requests that need work off the loop are answered later, never waited for: a
+`reserve` that needs CPU space (a new segment, or victims being written back)
+is parked and resumes where it stopped; a `get` of tensors that are only on
+NVMe is answered once their loads completed (concurrent gets share a load);
+`commit_durable`, `flush_store` and the `delete` of a flushed tensor once the
+index committed; stream chunks once their I/O is done.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
@@ -24,15 +27,17 @@ import zmq
 
 from infinity import __version__
 from infinity.config import InfinityConfig
-from infinity.daemon.arena import CpuArena, Segment, SegmentPlan, SpaceShortage, create_segment
+from infinity.daemon.arena import CpuArena, SpaceShortage
 from infinity.daemon.catalog import Catalog, Version
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
-from infinity.errors import InfinityError, ProtocolError, TierFullError
+from infinity.daemon.streams import StreamTable
+from infinity.daemon.tiers import TierManager
+from infinity.errors import InfinityError, ProtocolError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
-from infinity.protocol.wire import ItemError, Placement, ReserveItem
+from infinity.protocol.wire import ItemError, Placement, ReserveItem, StreamInfo
 
 log = logging.getLogger("infinityd")
 
@@ -53,9 +58,8 @@ class DaemonCounters:
     bytes_leased: int = 0
     bytes_reserved: int = 0
     bytes_committed: int = 0
-    segments_created: int = 0
-    segment_failures: int = 0
     parked_requests: int = 0
+    deferred_replies: int = 0  # answered after work off the loop (loads, flushes, index)
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
@@ -73,6 +77,17 @@ class _ParkedReserve:
     index: int = 0
 
 
+@dataclass(eq=False, slots=True)
+class _Deferred:
+    """A request whose reply waits for work off the loop: `left` items still to come."""
+
+    session: Session
+    identity: bytes
+    request_id: int
+    results: list[Any]
+    left: int = 0
+
+
 Handler = Callable[[Session, bytes, int, Sequence[Any]], None]
 
 
@@ -85,10 +100,15 @@ class Daemon:
         self.loop = EventLoop()
         self.arena = CpuArena(config.cpu, poison=config.daemon.poison_released,
                               on_retire=self._on_segment_retired)
-        self.catalog = Catalog(self.arena)
+        self.tiers = TierManager(config, self.loop, self.arena)
+        self.catalog = Catalog(self.tiers)
+        self.tiers.attach(self.catalog)
+        restored = self.tiers.restore()
+        if self.tiers.durable:
+            log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
+        self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.sessions = Sessions()
         self.counters = DaemonCounters()
-        self._parked: deque[_ParkedReserve] = deque()
         self._started = time.monotonic()
         self._closing = False
         self._context = zmq.Context(io_threads=1)
@@ -106,6 +126,11 @@ class Daemon:
             "release": self._release,
             "reserve": self._reserve,
             "commit": self._commit,
+            "commit_durable": self._commit_durable,
+            "flush_store": self._flush_store,
+            "stream_open": self._stream_open,
+            "stream_chunk": self._stream_chunk,
+            "stream_close": self._stream_close,
             "abort": self._abort,
             "prefetch": self._prefetch,
             "delete": self._delete,
@@ -145,6 +170,9 @@ class Daemon:
 
     def close(self) -> None:
         self._closing = True
+        # First let the I/O and index work in flight finish: flushes that complete are still
+        # answered, and nothing is freed under the engine.
+        self.tiers.close()
         for session in list(self.sessions):
             self._end(session, "daemon stopped")
         self.fds.close()
@@ -239,6 +267,17 @@ class Daemon:
         self.counters.error(exc.code)
         return ItemError.of(exc)
 
+    def _defer(self, session: Session, identity: bytes, request_id: int,
+               results: list[Any]) -> _Deferred:
+        self.counters.deferred_replies += 1
+        return _Deferred(session, identity, request_id, results)
+
+    def _settle(self, deferred: _Deferred) -> None:
+        """One deferred item is done; reply once all are (unless the client went away)."""
+        deferred.left -= 1
+        if not deferred.left and deferred.session.alive:
+            self._reply(deferred.identity, deferred.request_id, deferred.results)
+
     # --- sessions -----------------------------------------------------------------
 
     def _hello(self, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
@@ -292,6 +331,7 @@ class Daemon:
     def _end(self, session: Session, reason: str) -> None:
         if not session.alive:
             return
+        streams = self.streams.drop_client(session.id)
         leases, reservations = self.catalog.drop_client(session.id)
         self.sessions.remove(session, reason)
         if session.pidfd is not None:
@@ -301,8 +341,8 @@ class Daemon:
         if session.fd_conn is not None:
             self.fds.close_connection(session.fd_conn, notify=False)
             session.fd_conn = None
-        log.info("%s gone (%s): released %d lease(s), discarded %d reservation(s)",
-                 session.describe(), reason, leases, reservations)
+        log.info("%s gone (%s): released %d lease(s), discarded %d reservation(s) and %d "
+                 "stream(s)", session.describe(), reason, leases, reservations, streams)
 
     def _sweep_interval_s(self) -> float:
         return min(1.0, self.config.daemon.client_timeout_s / 5)
@@ -338,9 +378,19 @@ class Daemon:
         _, outcomes = self.catalog.acquire(session.id, request_id, message.items)
         results: list[Any] = []
         nbytes = 0
+        missing: list[int] | None = None  # items only on NVMe: the reply waits for their loads
+        track = self.tiers.nvme is not None
         for outcome in outcomes:
             if type(outcome) is Version:
-                results.append(outcome.wire)
+                if outcome.cpu is None and outcome.nbytes:
+                    if missing is None:
+                        missing = []
+                    missing.append(len(results))
+                    results.append(None)
+                else:
+                    if track and outcome.cpu is not None:
+                        self.tiers.touched(outcome)
+                    results.append(outcome.wire)
                 nbytes += outcome.nbytes
             else:
                 results.append(self._item_error(session, outcome))  # type: ignore[arg-type]
@@ -350,7 +400,35 @@ class Daemon:
         counters.get_bytes += nbytes
         self.counters.items += len(outcomes)
         self.counters.bytes_leased += nbytes
-        self._reply(identity, request_id, results)
+        if missing is None:
+            self._reply(identity, request_id, results)
+            return
+        deferred = self._defer(session, identity, request_id, results)
+        deferred.left = len(missing) + 1  # + 1: settled below, once every load is started
+        for i in missing:
+            version = cast(Version, outcomes[i])
+            try:
+                if self.tiers.ensure_resident(version, lambda error, i=i, v=version: (  # type: ignore[misc]
+                        self._get_loaded(deferred, i, v, error, loaded=True))):
+                    self._get_loaded(deferred, i, version, None)  # an earlier item loaded it
+                else:
+                    counters.load_waits += 1
+            except InfinityError as exc:
+                self._get_loaded(deferred, i, version, exc)
+        self._settle(deferred)
+
+    def _get_loaded(self, deferred: _Deferred, i: int, version: Version,
+                    error: InfinityError | None, *, loaded: bool = False) -> None:
+        session = deferred.session
+        if error is None:
+            deferred.results[i] = version.wire
+            if loaded:
+                session.counters.load_bytes += version.nbytes
+        else:
+            # The item fails; what the lease holds of it goes back now.
+            self.catalog.drop_hold(session.id, deferred.request_id, version)
+            deferred.results[i] = self._item_error(session, error)
+        self._settle(deferred)
 
     def _release(self, session: Session, identity: bytes, request_id: int,
                  body: Sequence[Any]) -> None:
@@ -377,8 +455,10 @@ class Daemon:
             try:
                 reservation = self.catalog.reserve(session.id, item.namespace, item.name,
                                                    item.dtype, item.shape)
-            except SpaceShortage as shortage:
-                self._park(request, shortage)
+            except SpaceShortage:
+                # A segment is being created or victims are being written back: resume then.
+                self.counters.parked_requests += 1
+                self.tiers.when_space(lambda error: self._resume_reserve(request, error))
                 return
             except InfinityError as exc:
                 request.results.append(self._item_error(session, exc))
@@ -395,47 +475,13 @@ class Daemon:
         self.counters.items += len(request.items)
         self._reply(request.identity, request.request_id, request.results)
 
-    def _park(self, request: _ParkedReserve, shortage: SpaceShortage) -> None:
-        self.counters.parked_requests += 1
-        if not self.arena.growing:
-            plan = self.arena.plan_growth(shortage)
-            if plan is None:
-                request.results.append(self._item_error(request.session, TierFullError(
-                    f"the CPU tier cannot grow to hold {shortage.nbytes} more bytes; raise "
-                    f"cpu.budget_bytes or delete tensors")))
-                request.index += 1
-                self._continue_reserve(request)
-                return
-            self.loop.run_in_worker(lambda: create_segment(plan, self.config.cpu),
-                                    lambda done: self._grown(plan, done))
-        self._parked.append(request)
-
-    def _grown(self, plan: SegmentPlan, done: Future[Segment]) -> None:
-        parked = list(self._parked)
-        self._parked.clear()
-        try:
-            segment = done.result()
-        except Exception as exc:
-            self.arena.abandon(plan)
-            self.counters.segment_failures += 1
-            error = exc if isinstance(exc, InfinityError) else TierFullError(
-                f"could not create a {plan.size_bytes}-byte CPU-tier segment "
-                f"({type(exc).__name__}: {exc}); lower cpu.budget_bytes or free memory")
-            log.error("CPU tier: %s", error)
-            for request in parked:
-                if request.session.alive:
-                    request.results.append(self._item_error(request.session, error))
-                    request.index += 1
-                    self._continue_reserve(request)
-            return
-        if self._closing:
-            segment.destroy()
-            return
-        self.arena.install(segment)
-        self.counters.segments_created += 1
-        for request in parked:
-            if request.session.alive:  # a dead client's earlier items were already dropped
-                self._continue_reserve(request)
+    def _resume_reserve(self, request: _ParkedReserve, error: InfinityError | None) -> None:
+        if not request.session.alive or self._closing:
+            return  # a dead client's earlier items were already dropped with it
+        if error is not None:
+            request.results.append(self._item_error(request.session, error))
+            request.index += 1
+        self._continue_reserve(request)
 
     def _commit(self, session: Session, identity: bytes, request_id: int,
                 body: Sequence[Any]) -> None:
@@ -453,6 +499,110 @@ class Daemon:
         session.counters.commits += len(message.items)
         self._reply(identity, request_id, results)
 
+    def _commit_durable(self, session: Session, identity: bytes, request_id: int,
+                        body: Sequence[Any]) -> None:
+        message = wire.CommitDurable.from_body(body)
+        self.tiers.require_durable()  # before anything is published
+        results: list[Any] = []
+        committed: list[tuple[int, Version]] = []
+        for item in message.items:
+            try:
+                version = self.catalog.commit(session.id, item.namespace, item.name)
+            except InfinityError as exc:
+                results.append(self._item_error(session, exc))
+                continue
+            committed.append((len(results), version))
+            results.append(version.stamp)
+            session.counters.commit_bytes += version.nbytes
+            self.counters.bytes_committed += version.nbytes
+        session.counters.commits += len(message.items)
+        if not committed:
+            self._reply(identity, request_id, results)
+            return
+        deferred = self._defer(session, identity, request_id, results)
+        deferred.left = 1
+
+        def durable(errors: list[InfinityError | None]) -> None:
+            for (i, version), error in zip(committed, errors):
+                if error is not None:
+                    results[i] = self._item_error(session, error)
+                else:
+                    session.counters.durable_bytes += version.nbytes
+            self._settle(deferred)
+
+        self.tiers.make_durable([v for _, v in committed], durable)
+
+    def _flush_store(self, session: Session, identity: bytes, request_id: int,
+                     body: Sequence[Any]) -> None:
+        wire.FlushStore.from_body(body)
+        self.tiers.require_durable()
+        versions = list(self.catalog.current_versions())
+        deferred = self._defer(session, identity, request_id, [None])
+        deferred.left = 1
+        session.counters.flushes += 1
+
+        def durable(errors: list[InfinityError | None]) -> None:
+            failed = [(v, e) for v, e in zip(versions, errors) if e is not None]
+            if failed:
+                version, error = failed[0]
+                deferred.results[0] = self._item_error(session, type(error)(
+                    f"{len(failed)} of {len(versions)} tensor(s) were not made durable; the first, "
+                    f"{version.key[1]!r} in namespace {version.key[0]!r}: {error}"))
+            else:
+                total = sum(v.nbytes for v in versions)
+                session.counters.durable_bytes += total
+                deferred.results[0] = {"tensors": len(versions), "bytes": total}
+            self._settle(deferred)
+
+        self.tiers.make_durable(versions, durable)
+
+    def _stream_open(self, session: Session, identity: bytes, request_id: int,
+                     body: Sequence[Any]) -> None:
+        message = wire.StreamOpen.from_body(body)
+        deferred = self._defer(session, identity, request_id, [None])
+        deferred.left = 1
+        session.counters.streams += 1
+
+        def opened(result: StreamInfo | InfinityError) -> None:
+            if isinstance(result, InfinityError):
+                deferred.results[0] = self._item_error(session, result)
+            else:
+                deferred.results[0] = result.to_wire()
+            self._settle(deferred)
+
+        self.streams.open(session.id, request_id, message.namespace, message.name, message.mode,
+                          message.dtype, message.shape, opened)
+
+    def _stream_chunk(self, session: Session, identity: bytes, request_id: int,
+                      body: Sequence[Any]) -> None:
+        message = wire.StreamChunk.from_body(body)
+        deferred = _Deferred(session, identity, request_id, [None], 1)
+
+        def moved(error: InfinityError | None) -> None:
+            if error is not None:
+                deferred.results[0] = self._item_error(session, error)
+            else:
+                session.counters.stream_bytes += message.nbytes
+            self._settle(deferred)
+
+        self.streams.chunk(session.id, message.stream_id, message.slot, message.offset,
+                           message.nbytes, moved)
+
+    def _stream_close(self, session: Session, identity: bytes, request_id: int,
+                      body: Sequence[Any]) -> None:
+        message = wire.StreamClose.from_body(body)
+        deferred = _Deferred(session, identity, request_id, [None], 1)
+
+        def closed(result: int | InfinityError) -> None:
+            if isinstance(result, InfinityError):
+                deferred.results[0] = self._item_error(session, result)
+            else:
+                deferred.results[0] = result
+            self._settle(deferred)
+
+        self.streams.close(session.id, message.stream_id, commit=message.commit,
+                           durable=message.durable, done=closed)
+
     def _abort(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
         message = wire.Abort.from_body(body)
         results: list[Any] = []
@@ -466,22 +616,43 @@ class Daemon:
 
     def _prefetch(self, session: Session, identity: bytes, request_id: int,
                   body: Sequence[Any]) -> None:
-        # Every tensor is resident in the CPU tier until the NVMe tier arrives: a hint to note.
+        # A hint: tensors only on NVMe start loading now (within the tier, by the policy).
         message = wire.Prefetch.from_body(body)
         session.counters.prefetches += len(message.items)
+        if self.tiers.nvme is None:
+            return
+        for item in message.items:
+            try:
+                self.tiers.prefetch(self.catalog.current(item.namespace, item.name))
+            except InfinityError as exc:  # no reply to carry it: count it
+                self._item_error(session, exc)
 
     def _delete(self, session: Session, identity: bytes, request_id: int,
                 body: Sequence[Any]) -> None:
         message = wire.Delete.from_body(body)
         results: list[Any] = []
+        deferred = _Deferred(session, identity, request_id, results, 1)
         for item in message.items:
             try:
-                self.catalog.delete(item.namespace, item.name)
-                results.append(None)
+                version = self.catalog.delete(item.namespace, item.name)
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
+                continue
+            results.append(None)
+            # A flushed tensor leaves the index too; the reply waits for that commit.
+            i = len(results) - 1
+            if self.tiers.remove_durable(version.key, lambda error, i=i: (  # type: ignore[misc]
+                    self._deleted(deferred, i, error))):
+                deferred.left += 1
         session.counters.deletes += len(message.items)
-        self._reply(identity, request_id, results)
+        if deferred.left > 1:
+            self.counters.deferred_replies += 1
+        self._settle(deferred)
+
+    def _deleted(self, deferred: _Deferred, i: int, error: InfinityError | None) -> None:
+        if error is not None:
+            deferred.results[i] = self._item_error(deferred.session, error)
+        self._settle(deferred)
 
     def _exists(self, session: Session, identity: bytes, request_id: int,
                 body: Sequence[Any]) -> None:
@@ -517,6 +688,17 @@ class Daemon:
 
     # --- reporting ----------------------------------------------------------------
 
+    def _tier_stats(self) -> dict[str, Any]:
+        extra = self.tiers.stats()
+        tiers: dict[str, Any] = {"cpu": {
+            **self.arena.stats(), "hugepages": self.config.cpu.hugepages,
+            "lock": self.config.cpu.lock, "resident_tensors": extra.pop("resident_tensors"),
+            "evictions_writing_back": extra.pop("evictions_writing_back"),
+            "write_behind_bytes": extra.pop("write_behind_bytes")}}
+        if "nvme" in extra:
+            tiers["nvme"] = extra["nvme"]
+        return tiers
+
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
         clients = []
@@ -539,8 +721,7 @@ class Daemon:
                 "client_timeout_s": self.config.daemon.client_timeout_s,
                 "poison_released": self.config.daemon.poison_released,
             },
-            "tiers": {"cpu": {**self.arena.stats(), "hugepages": self.config.cpu.hugepages,
-                              "lock": self.config.cpu.lock}},
+            "tiers": self._tier_stats(),
             "catalog": self.catalog.stats(),
             "clients": clients,
             "counters": {
@@ -549,9 +730,12 @@ class Daemon:
                 "errors": dict(counters.errors), "bytes_leased": counters.bytes_leased,
                 "bytes_reserved": counters.bytes_reserved,
                 "bytes_committed": counters.bytes_committed,
-                "segments_created": counters.segments_created,
-                "segment_failures": counters.segment_failures,
+                "segments_created": self.tiers.counters.segments_created,
+                "segment_failures": self.tiers.counters.segment_failures,
                 "parked_requests": counters.parked_requests,
+                "deferred_replies": counters.deferred_replies,
+                "open_streams": len(self.streams),
+                "tiers": dataclasses.asdict(self.tiers.counters),
                 "fds_sent": self.fds.fds_sent,
                 "clients_opened": self.sessions.opened_total,
                 "clients_ended": dict(self.sessions.ended_total),

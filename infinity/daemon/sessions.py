@@ -43,6 +43,12 @@ class ClientCounters:
     deletes: int = 0
     prefetches: int = 0
     heartbeats: int = 0
+    load_waits: int = 0  # get items that waited for a load from NVMe
+    load_bytes: int = 0  # bytes of this client's get items that waited for a load from NVMe
+    durable_bytes: int = 0  # bytes made durable at this client's request
+    flushes: int = 0  # flush_store requests
+    streams: int = 0  # read_into / write_from streams opened
+    stream_bytes: int = 0  # bytes moved by this client's stream chunks
 
 
 @dataclass(eq=False)

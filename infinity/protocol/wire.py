@@ -18,7 +18,11 @@ Control plane (ZeroMQ, one msgpack frame per message):
 
 `hello` is the first message of a session; its body starts with the protocol
 version in every version of the protocol, so a mismatched client is told so.
-`heartbeat`, `release`, `prefetch` and `bye` get no reply.
+`heartbeat`, `release`, `prefetch` and `bye` get no reply. Some replies come
+late, when the daemon has finished work off its loop: a `get` of a tensor that
+is only on NVMe (after the load), `commit_durable`, `flush_store` and a
+`delete` of a flushed tensor (after the index transaction), stream chunks
+(after their I/O).
 
 Fd channel (a Unix SOCK_SEQPACKET socket, see `fdpass`): `FdRequest` asks for
 the memfds of CPU-tier segments; `FdReply` carries them as SCM_RIGHTS
@@ -401,6 +405,98 @@ class Commit(_NamedItems):
 
 
 @dataclass(frozen=True, slots=True)
+class CommitDurable(_NamedItems):
+    """Publishes reservations like `commit`, then makes them durable: each is written to NVMe,
+    fdatasync'ed and recorded in the store's index before the reply. Each result is a version
+    (published even when making it durable failed: the item's error says so)."""
+
+    OP: ClassVar[str] = "commit_durable"
+
+
+@dataclass(frozen=True, slots=True)
+class FlushStore:
+    """Makes every tensor of the store durable (what `commit_durable` does for one); answered
+    with one result, a map of counts (`tensors`, `bytes`), once the index committed."""
+
+    OP: ClassVar[str] = "flush_store"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> FlushStore:
+        _list(body, "flush_store", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpen:
+    """Opens a stream to read a tensor (`mode` "read"; dtype "" and shape () are ignored) or to
+    write one of `dtype` and `shape` (`mode` "write"), in pieces. One result, a StreamInfo;
+    the stream is named by this request's id."""
+
+    OP: ClassVar[str] = "stream_open"
+    namespace: str
+    name: str
+    mode: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+
+    def body(self) -> list[Any]:
+        return [self.namespace, self.name, self.mode, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> StreamOpen:
+        ns, name, mode, dtype, shape = _list(body, "stream_open", 5)
+        return cls(_str(ns, "stream_open namespace"), _str(name, "stream_open name"),
+                   _str(mode, "stream_open mode"), _str(dtype, "stream_open dtype"),
+                   _shape(shape, "stream_open shape"))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """Moves bytes [offset, offset + nbytes) of a staged stream's tensor between NVMe and its
+    staging slice `slot`: read into the slice, or written from it. One result, None, once the
+    I/O is done (the slice may then be reused)."""
+
+    OP: ClassVar[str] = "stream_chunk"
+    stream_id: int
+    slot: int
+    offset: int
+    nbytes: int
+
+    def body(self) -> list[Any]:
+        return [self.stream_id, self.slot, self.offset, self.nbytes]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> StreamChunk:
+        stream_id, slot, offset, nbytes = _list(body, "stream_chunk", 4)
+        return cls(_int(stream_id, "stream_chunk stream_id", minimum=1),
+                   _int(slot, "stream_chunk slot"), _int(offset, "stream_chunk offset"),
+                   _int(nbytes, "stream_chunk nbytes", minimum=1))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamClose:
+    """Ends a stream. A write stream publishes its tensor when `commit` (durably when
+    `durable`) and drops it otherwise. One result: the version written or read (0: none)."""
+
+    OP: ClassVar[str] = "stream_close"
+    stream_id: int
+    commit: bool = False
+    durable: bool = False
+
+    def body(self) -> list[Any]:
+        return [self.stream_id, self.commit, self.durable]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> StreamClose:
+        stream_id, commit, durable = _list(body, "stream_close", 3)
+        return cls(_int(stream_id, "stream_close stream_id", minimum=1),
+                   _bool(commit, "stream_close commit"), _bool(durable, "stream_close durable"))
+
+
+@dataclass(frozen=True, slots=True)
 class Abort(_NamedItems):
     """Discards this client's reservations; each result is None."""
 
@@ -444,11 +540,13 @@ class ListTensors:
 
 
 Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
-                Abort, Prefetch, Delete, Exists, ListTensors]
+                CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
+                Delete, Exists, ListTensors]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
-    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, Abort,
-    Prefetch, Delete, Exists, ListTensors)}
+    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitDurable,
+    FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
+    ListTensors)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})
@@ -576,6 +674,38 @@ class Placement(NamedTuple):
         return cls(segment, offset, nbytes, dtype, tuple(shape), version)
 
 
+class StreamInfo(NamedTuple):
+    """The answer to `stream_open`.
+
+    `direct`: the one slice in `slots` holds (read) or receives (write) the whole tensor, and
+    the client copies it at once, then closes. Otherwise `slots` are staging slices of at most
+    `chunk_bytes` each, filled and emptied with `stream_chunk`. Slots are placements of
+    uint8 ranges. `version` is the version being read (0 for a write).
+    """
+
+    stream_id: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+    direct: bool
+    chunk_bytes: int
+    slots: tuple[Placement, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.stream_id, self.nbytes, self.dtype, list(self.shape), self.version,
+                self.direct, self.chunk_bytes, [slot.to_wire() for slot in self.slots]]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> StreamInfo:
+        sid, nbytes, dtype, shape, version, direct, chunk, slots = _list(value, "stream info", 8)
+        return cls(_int(sid, "stream info id", minimum=1), _int(nbytes, "stream info nbytes"),
+                   _str(dtype, "stream info dtype"), _shape(shape, "stream info shape"),
+                   _int(version, "stream info version"), _bool(direct, "stream info direct"),
+                   _int(chunk, "stream info chunk_bytes", minimum=1),
+                   tuple(Placement.from_wire(p) for p in _list(slots, "stream info slots")))
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One entry of a `list` result."""
@@ -586,7 +716,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: int
     version: int
-    tier: str  # "cpu" today; "nvme" / "cpu+nvme" once the NVMe tier is behind it
+    tier: str  # "cpu", "nvme" (only on NVMe) or "cpu+nvme" (resident, with a clean NVMe copy)
 
     def to_wire(self) -> list[Any]:
         return [self.namespace, self.name, self.dtype, list(self.shape), self.nbytes,
@@ -621,6 +751,12 @@ def decode_infos(value: Any) -> list[TensorInfo]:
 def decode_stats(value: Any) -> dict[str, Any]:
     if type(value) is not dict:
         raise _bad("stats result", "a map", value)
+    return value
+
+
+def decode_flush_summary(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _bad("flush_store result", "a map", value)
     return value
 
 

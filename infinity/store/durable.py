@@ -7,14 +7,20 @@ the caller free the extents of the versions replaced. A kill at any moment
 therefore leaves each name at its old or its new version, never a mix, and the
 space of half-done writes is simply not in the index at restart.
 
-SQLite and fdatasync block, so they run on one writer thread. Completions are
-signalled on an eventfd (`completion_fd`) and delivered by `poll()` on the
-caller's thread, the same pattern as the I/O engine, so the daemon's loop can
-wait on both without ever blocking on disk.
+SQLite and fdatasync block, so they run on one writer thread, in the order the
+jobs were submitted. Completions are signalled on an eventfd (`completion_fd`)
+and delivered by `poll()` on the caller's thread, the same pattern as the I/O
+engine, so the daemon's loop can wait on both without ever blocking on disk.
+
+The index holds an exclusive lock (`infinity-store.lock`, flock) on the store
+for its whole life: two daemons, or a daemon and `infinity verify`, never use
+one store at once.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import queue
@@ -24,12 +30,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from infinity.errors import StoreDirectoryError
+from infinity.errors import DiskFullError, IOEngineError, StoreDirectoryError
 from infinity.store.nvme import NvmeTier, TensorLayout
 
 INDEX_FILE_NAME = "infinity-index.sqlite"
+LOCK_FILE_NAME = "infinity-store.lock"
 _Job = tuple[Callable[[], Any], "Future[Any]", "Callable[[Future[Any]], None] | None"]
 SCHEMA_VERSION = 1
+_SQLITE_FULL = 13  # sqlite3's result code for "database or disk is full"
+# The WAL is truncated back to this after a checkpoint, so a small store directory is not
+# eaten by a log that only ever grows.
+_JOURNAL_SIZE_LIMIT_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,14 +54,42 @@ class DurableRecord:
     layout: TensorLayout
 
 
+def index_path(first_directory: str) -> str:
+    """Where the index of a store whose first directory is `first_directory` lives."""
+    return os.path.join(first_directory, INDEX_FILE_NAME)
+
+
+def _disk_error(exc: OSError, what: str) -> IOEngineError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return DiskFullError(f"{what} failed: {exc.strerror}; free space on the store's file "
+                             f"system or lower nvme.capacity_bytes_per_dir")
+    return IOEngineError(f"{what} failed: {exc.strerror}; check the device and the kernel log "
+                         f"(dmesg), then run `infinity verify`")
+
+
+def _sqlite_error(exc: sqlite3.Error, path: str) -> IOEngineError:
+    if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+        return DiskFullError(f"the store index {path} cannot grow: the file system is full; free "
+                             f"space there or lower nvme.capacity_bytes_per_dir")
+    return StoreDirectoryError(f"the store index {path} failed ({exc}); check that the directory "
+                               f"is writable, then run `infinity verify`")
+
+
 class DurableIndex:
     """SQLite index of flushed tensors with one writer thread."""
 
     def __init__(self, tier: NvmeTier) -> None:
         self.tier = tier
-        self.path = os.path.join(tier.directories[0].path, INDEX_FILE_NAME)
-        self._db = self._open(self.path)
-        self._check_directories()
+        self.path = index_path(tier.directories[0].path)
+        self._closed = False
+        self._lock_fd = self._lock_store(tier.directories[0].path)
+        try:
+            self._db = self._open(self.path)
+            self._check_meta()
+            self._sync_directories()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: queue.SimpleQueue[tuple[Future[Any], Callable[[Future[Any]], None] | None]] = \
             queue.SimpleQueue()
@@ -59,11 +98,32 @@ class DurableIndex:
         self._thread.start()
 
     @staticmethod
+    def _lock_store(directory: str) -> int:
+        path = os.path.join(directory, LOCK_FILE_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StoreDirectoryError(f"cannot create the store lock {path}: {exc.strerror}; check "
+                                      f"the directory's permissions") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreDirectoryError(
+                    f"the store in {directory} is in use by another process (an infinityd, or "
+                    f"`infinity verify`); stop it first, or give this one other nvme.dirs") from None
+            raise StoreDirectoryError(f"cannot lock {path}: {exc.strerror}") from None
+        return fd
+
+    @staticmethod
     def _open(path: str) -> sqlite3.Connection:
         try:
+            # Used by the opening thread for load(), then only by the writer thread.
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT_BYTES}")
             db.execute("""CREATE TABLE IF NOT EXISTS tensors (
                 namespace TEXT NOT NULL, name TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
                 layout TEXT NOT NULL, PRIMARY KEY (namespace, name))""")
@@ -73,27 +133,51 @@ class DurableIndex:
                                       f"directory is writable and the file is not corrupted") from None
         return db
 
-    def _check_directories(self) -> None:
-        """Refuse a configuration whose directories differ from the ones the index was written with."""
+    def _check_meta(self) -> None:
+        """Refuse an index of another schema, or one written for other directories."""
         dirs = json.dumps([d.path for d in self.tier.directories])
-        row = self._db.execute("SELECT value FROM meta WHERE key = 'dirs'").fetchone()
-        if row is None:
-            self._db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?)", (dirs, str(SCHEMA_VERSION)))
-        elif row[0] != dirs:
+        meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        if not meta:
+            with _Transaction(self._db) as db:
+                db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?)",
+                           (dirs, str(SCHEMA_VERSION)))
+            return
+        if meta.get("schema") != str(SCHEMA_VERSION):
             raise StoreDirectoryError(
-                f"the store index {self.path} was written for nvme.dirs = {row[0]}, but the settings "
-                f"name {dirs}; restore the original nvme.dirs (same order) to keep the stored tensors")
+                f"the store index {self.path} has schema {meta.get('schema')!r}, but this Infinity "
+                f"reads schema {SCHEMA_VERSION}; use the Infinity version that wrote it")
+        if meta.get("dirs") != dirs:
+            raise StoreDirectoryError(
+                f"the store index {self.path} was written for nvme.dirs = {meta.get('dirs')}, but "
+                f"the settings name {dirs}; restore the original nvme.dirs (same order) to keep "
+                f"the stored tensors")
+
+    def _sync_directories(self) -> None:
+        """Make the extent files' and the index's directory entries durable (once, at open)."""
+        for directory in self.tier.directories:
+            fd = os.open(directory.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # --- reading (start-up, verify) ----------------------------------------
 
     def load(self) -> list[DurableRecord]:
         """Every flushed tensor, and mark its extents as used in the tier."""
         records = []
-        for namespace, name, dtype, shape, layout in self._db.execute(
-                "SELECT namespace, name, dtype, shape, layout FROM tensors ORDER BY namespace, name"):
-            record = DurableRecord(namespace, name, dtype, tuple(json.loads(shape)),
-                                   TensorLayout.from_wire(json.loads(layout)))
-            self.tier.adopt(record.layout)
+        rows = self._db.execute(
+            "SELECT namespace, name, dtype, shape, layout FROM tensors ORDER BY namespace, name")
+        for namespace, name, dtype, shape, layout in rows:
+            try:
+                record = DurableRecord(namespace, name, dtype, tuple(json.loads(shape)),
+                                       TensorLayout.from_wire(json.loads(layout)))
+                self.tier.adopt(record.layout)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StoreDirectoryError(
+                    f"the store index {self.path} is damaged at tensor {name!r} in namespace "
+                    f"{namespace!r} ({exc}); run `infinity verify` and restore the store from a "
+                    f"backup") from None
             records.append(record)
         return records
 
@@ -104,18 +188,22 @@ class DurableIndex:
         """Make the records' extents durable, then point their names at them in one transaction.
 
         The future completes (and `on_done` runs on the thread that calls `poll`) only after the
-        transaction committed; that is when replaced extents may be freed.
+        transaction committed; that is when replaced extents may be freed. Its exception is
+        DiskFullError, IOEngineError or StoreDirectoryError when the disk or SQLite refused.
         """
         batch = list(records)
+        fds = sorted({self.tier.directories[d].fd for r in batch for d, _ in r.layout.extents})
+        rows = [(r.namespace, r.name, r.dtype, json.dumps(list(r.shape)),
+                 json.dumps(r.layout.to_wire())) for r in batch]
 
         def job() -> None:
-            for fd in {self.tier.directories[d].fd for r in batch for d, _ in r.layout.extents}:
-                os.fdatasync(fd)
-            with self._transaction() as db:
-                db.executemany(
-                    "INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?)",
-                    [(r.namespace, r.name, r.dtype, json.dumps(list(r.shape)),
-                      json.dumps(r.layout.to_wire())) for r in batch])
+            for fd in fds:
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    raise _disk_error(exc, "fdatasync of the store's extent file") from None
+            with _Transaction(self._db, path=self.path) as db:
+                db.executemany("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?)", rows)
 
         return self._submit(job, on_done)
 
@@ -125,15 +213,14 @@ class DurableIndex:
         batch = list(keys)
 
         def job() -> None:
-            with self._transaction() as db:
+            with _Transaction(self._db, path=self.path) as db:
                 db.executemany("DELETE FROM tensors WHERE namespace = ? AND name = ?", batch)
 
         return self._submit(job, on_done)
 
-    def _transaction(self) -> "_Transaction":
-        return _Transaction(self._db)
-
     def _submit(self, job: Callable[[], Any], on_done: Callable[[Future[Any]], None] | None) -> Future[Any]:
+        if self._closed:
+            raise StoreDirectoryError("the store index is closed (the daemon is stopping)")
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
         self._jobs.put((job, future, on_done))
@@ -170,22 +257,47 @@ class DurableIndex:
                 callback(future)
 
     def close(self) -> None:
+        """Finish the jobs already submitted (their callbacks run here), then close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._jobs.put(None)
         self._thread.join()
         self.poll()
         self._db.close()
         os.close(self.completion_fd)
+        os.close(self._lock_fd)  # drops the store lock
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on error."""
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on error (a COMMIT that fails, too)."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, *, path: str = "") -> None:
         self.db = db
+        self.path = path
 
     def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc, self.path) from None
         return self.db
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        if kind is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error as commit_error:
+                # A failed COMMIT (disk full, I/O error) leaves the transaction open: end it.
+                self._rollback()
+                raise _sqlite_error(commit_error, self.path) from None
+        self._rollback()
+        if isinstance(exc, sqlite3.Error):
+            raise _sqlite_error(exc, self.path) from None
+
+    def _rollback(self) -> None:
+        try:
+            self.db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # SQLite already rolled back on its own

@@ -12,17 +12,26 @@ Layout rules (fixed, because checksums and restarts depend on them):
   dealt round robin over the directories; each directory keeps all of that
   tensor's stripes in one contiguous extent;
 - one CRC32C per 1 MiB block of the capacity, in tensor order.
+
+The core moves bytes by address (`write_from`, `write_part`, `read_into`) and
+keeps checksums in `array.array` buffers, so infinityd uses it without
+importing torch; only the `*_tensor` conveniences load torch.
+
+Space: `allocate` hands out extents and, by default, grows a directory's
+extent file on the spot (`fallocate`). The daemon's loop must not wait on
+the file system, so it passes `grow=False`, gets `GrowthNeeded` instead, runs
+`grow` on a worker thread and retries. The allocators are guarded by a lock,
+held only for the allocator's own bookkeeping, never across a system call.
 """
 
 from __future__ import annotations
 
+import array
 import errno
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from infinity.config import MiB, NvmeConfig
 from infinity.errors import (
@@ -32,8 +41,11 @@ from infinity.errors import (
     StoreDirectoryError,
     StoreFullError,
 )
-from infinity.io import IOEngine, IOFuture, IOOp, aligned_empty
+from infinity.io import IOEngine, IOFuture, IOOp
 from infinity.store.allocator import Extent, ExtentAllocator
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE_BYTES = 4096
 CRC_BLOCK_BYTES = 1 * MiB
@@ -44,8 +56,36 @@ def round_up(nbytes: int, multiple: int) -> int:
     return (nbytes + multiple - 1) // multiple * multiple
 
 
-def _tensor_address(t: torch.Tensor) -> int:
+def _tensor_address(t: "torch.Tensor") -> int:
     return t.data_ptr()
+
+
+def crc_blocks(nbytes: int) -> int:
+    """How many 1 MiB checksum blocks a tensor of `nbytes` has (its capacity, in tensor order)."""
+    return -(-round_up(nbytes, PAGE_BYTES) // CRC_BLOCK_BYTES)
+
+
+def crc_buffer(count_or_values: int | Sequence[int]) -> "array.array[int]":
+    """A uint32 array the engine fills (writes) or checks against (reads); its address is stable."""
+    if isinstance(count_or_values, int):
+        return array.array("I", bytes(4 * count_or_values))
+    return array.array("I", count_or_values)
+
+
+def _address_of(buffer: "array.array[int]") -> int:
+    return buffer.buffer_info()[0]
+
+
+class GrowthNeeded(Exception):
+    """Internal signal of `allocate(grow=False)`: directory `index` must grow before it fits.
+
+    Run `NvmeTier.grow(index, nbytes)` (blocking: on a worker thread) and allocate again.
+    """
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        super().__init__(f"store directory {index} must grow by {nbytes} bytes")
+        self.index = index
+        self.nbytes = nbytes
 
 
 def deal_stripes(capacity_bytes: int, stripe_bytes: int, num_slots: int) -> list[tuple[int, int, int]]:
@@ -130,6 +170,10 @@ class NvmeDirectory:
                 f"{self.file_path} has a size that is not a multiple of 4096; it was not written "
                 f"by Infinity: move it away")
         self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
+        self._grow_lock = threading.Lock()  # one fallocate at a time per file
+        # Counters, kept as I/O is submitted (the monitor reads them per directory).
+        self.bytes_read = 0
+        self.bytes_written = 0
 
     def _open(self, direct_setting: str) -> tuple[bool, str]:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -151,31 +195,60 @@ class NvmeDirectory:
             return False, "buffered: nvme.direct = off"
         return False, "buffered: the file system refuses O_DIRECT (tmpfs or ramfs?), pread/pwrite pool"
 
-    def grow_for(self, nbytes: int) -> bool:
-        """Extend the extent file so that `nbytes` more could fit; False at the capacity limit."""
-        current = self.allocator.capacity_bytes
-        if current >= self.capacity_bytes:
-            return False
-        target = min(self.capacity_bytes, current + max(self.grow_bytes, round_up(nbytes, PAGE_BYTES)))
-        try:
-            os.posix_fallocate(self.fd, current, target - current)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise DiskFullError(
-                    f"the file system of {self.path} has no room to grow the store to {target} bytes "
-                    f"({exc.strerror}); free space there, lower nvme.capacity_bytes_per_dir, or add "
-                    f"another directory to nvme.dirs") from None
-            raise StoreDirectoryError(f"cannot grow {self.file_path}: {exc.strerror}") from None
-        self.allocator.grow(target)
-        return True
+    @property
+    def can_grow(self) -> bool:
+        return self.allocator.capacity_bytes < self.capacity_bytes
 
-    def allocate(self, nbytes: int) -> Extent | None:
+    def grow_for(self, nbytes: int, *, lock: threading.Lock | None = None) -> bool:
+        """Extend the extent file so that `nbytes` more could fit; False at the capacity limit.
+
+        Grows by `nvme.file_grow_bytes` at a time; when the file system cannot give that much,
+        by just what is needed. `lock` guards the allocator (not the system call).
+        """
+        with self._grow_lock:
+            current = self.allocator.capacity_bytes
+            if current >= self.capacity_bytes:
+                return False
+            need = round_up(nbytes, PAGE_BYTES)
+            target = min(self.capacity_bytes, current + max(self.grow_bytes, need))
+            try:
+                os.posix_fallocate(self.fd, current, target - current)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise StoreDirectoryError(
+                        f"cannot grow {self.file_path}: {exc.strerror}; check the directory and "
+                        f"the device (dmesg)") from None
+                smaller = min(self.capacity_bytes, current + need)
+                try:
+                    if smaller >= target:
+                        raise exc
+                    os.posix_fallocate(self.fd, current, smaller - current)
+                    target = smaller
+                except OSError as again:
+                    raise DiskFullError(
+                        f"the file system of {self.path} has no room to grow the store to "
+                        f"{smaller} bytes ({again.strerror}); free space there, lower "
+                        f"nvme.capacity_bytes_per_dir, or add another directory to nvme.dirs"
+                    ) from None
+            if lock is None:
+                self.allocator.grow(target)
+            else:
+                with lock:
+                    self.allocator.grow(target)
+            return True
+
+    def allocate(self, nbytes: int, *, grow: bool = True) -> Extent | None:
+        """An extent of `nbytes`; None when the directory is at its capacity. With grow=False,
+        GrowthNeeded instead of growing the file here."""
         while True:
             extent = self.allocator.allocate(nbytes)
             if extent is not None:
                 return extent
-            if not self.grow_for(nbytes):
+            if not self.can_grow:
                 return None
+            if not grow:
+                raise GrowthNeeded(self.index, nbytes)
+            self.grow_for(nbytes)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -183,10 +256,15 @@ class NvmeDirectory:
             self.fd = -1
 
 
+def finished_layout(layout: TensorLayout, crcs: "array.array[int]") -> TensorLayout:
+    """The layout with the checksums the engine computed while writing it."""
+    return TensorLayout(layout.nbytes, layout.stripe_bytes, layout.extents, tuple(crcs))
+
+
 class NvmeWrite:
     """A write in flight: its layout is known at once, its checksums once `result()` returns."""
 
-    def __init__(self, layout: TensorLayout, future: IOFuture, crcs: torch.Tensor,
+    def __init__(self, layout: TensorLayout, future: IOFuture, crcs: "array.array[int]",
                  keepalive: Sequence[object], on_failure: Callable[[], None]) -> None:
         self._layout = layout
         self.future = future
@@ -205,9 +283,7 @@ class NvmeWrite:
             except BaseException:
                 self._on_failure()
                 raise
-            crcs = tuple(int(c) & 0xFFFFFFFF for c in self._crcs.tolist())
-            self._final = TensorLayout(self._layout.nbytes, self._layout.stripe_bytes,
-                                       self._layout.extents, crcs)
+            self._final = finished_layout(self._layout, self._crcs)
             self._keepalive = ()
         return self._final
 
@@ -248,8 +324,11 @@ class NvmeTier:
 
     # --- space ------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> TensorLayout:
-        """Reserve extents for a tensor of `nbytes` (no I/O); StoreFullError if it cannot fit."""
+    def allocate(self, nbytes: int, *, grow: bool = True) -> TensorLayout:
+        """Reserve extents for a tensor of `nbytes` (no I/O); StoreFullError if it cannot fit.
+
+        grow=False: raise GrowthNeeded rather than extend a file here (see the module docstring).
+        """
         if nbytes <= 0:
             raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
         capacity = round_up(nbytes, PAGE_BYTES)
@@ -257,9 +336,24 @@ class NvmeTier:
         for d, _, length in deal_stripes(capacity, self.stripe_bytes, len(self.directories)):
             per_dir[d] = per_dir.get(d, 0) + length
         taken: list[tuple[int, Extent]] = []
+        if grow:
+            # Growing holds no allocator lock across fallocate: make room first, then take it.
+            for d, length in per_dir.items():
+                directory = self.directories[d]
+                while True:
+                    with self._lock:
+                        fits = directory.allocator.largest_free_bytes() >= length
+                    if fits or not directory.can_grow:
+                        break
+                    directory.grow_for(length, lock=self._lock)
         with self._lock:
             for d, length in per_dir.items():
-                extent = self.directories[d].allocate(length)
+                try:
+                    extent = self.directories[d].allocate(length, grow=False)
+                except GrowthNeeded:
+                    for dd, e in taken:
+                        self.directories[dd].allocator.free(e)
+                    raise
                 if extent is None:
                     for dd, e in taken:
                         self.directories[dd].allocator.free(e)
@@ -270,6 +364,11 @@ class NvmeTier:
                         f"nvme.capacity_bytes_per_dir, or add a directory to nvme.dirs")
                 taken.append((d, extent))
         return TensorLayout(nbytes, self.stripe_bytes, tuple(taken), ())
+
+    def grow(self, index: int, nbytes: int) -> bool:
+        """Extend directory `index`'s file so that `nbytes` more fit (blocking; any thread).
+        False when it is at nvme.capacity_bytes_per_dir; DiskFullError when the file system is full."""
+        return self.directories[index].grow_for(nbytes, lock=self._lock)
 
     def free(self, layout: TensorLayout) -> None:
         """Give a tensor's extents back for reuse."""
@@ -296,6 +395,10 @@ class NvmeTier:
         ops = []
         for p in pieces:
             directory = self.directories[p.dir_index]
+            if is_write:
+                directory.bytes_written += p.nbytes
+            else:
+                directory.bytes_read += p.nbytes
             block = p.tensor_offset_bytes // CRC_BLOCK_BYTES - first_block
             make = IOOp.write if is_write else IOOp.read
             ops.append(make(fd=directory.fd, address=address + p.tensor_offset_bytes,
@@ -314,9 +417,9 @@ class NvmeTier:
         layout = self.allocate(nbytes) if layout is None else layout
         if layout.nbytes != nbytes:
             raise InvalidRequestError(f"layout holds {layout.nbytes} bytes, not {nbytes}")
-        crcs = torch.zeros(len(range(0, layout.capacity_bytes, CRC_BLOCK_BYTES)), dtype=torch.int32)
+        crcs = crc_buffer(crc_blocks(nbytes))
         ops = self._ops(self._pieces(layout, 0, layout.capacity_bytes), address, is_write=True,
-                        crc_address=crcs.data_ptr(), first_block=0)
+                        crc_address=_address_of(crcs), first_block=0)
         on_failure: Callable[[], None] = (lambda: self.free(layout)) if fresh else (lambda: None)
         try:
             future = self.engine.submit(ops)
@@ -325,8 +428,50 @@ class NvmeTier:
             raise
         return NvmeWrite(layout, future, crcs, (*keepalive, crcs), on_failure)
 
-    def write_tensor(self, tensor: torch.Tensor, *, layout: TensorLayout | None = None) -> NvmeWrite:
+    def write_part(self, layout: TensorLayout, address: int, *, offset_bytes: int, nbytes: int,
+                   crcs: "array.array[int]") -> IOFuture:
+        """Write bytes [offset, offset + nbytes) of a tensor from a 4 KiB-aligned buffer.
+
+        For tensors written in pieces (streams): the range follows `read_into`'s rule (starts on
+        a 1 MiB block, ends on one or at the tensor's end, where the buffer is read up to the
+        4 KiB-rounded end, whose padding must be zero). The engine stores each block's CRC32C
+        at its place in `crcs` (`crc_buffer(crc_blocks(layout.nbytes))`, kept alive by the
+        caller until the future completes); `finished_layout(layout, crcs)` once every range
+        is written.
+        """
+        stop = self._check_range(layout, address, offset_bytes, nbytes)
+        if len(crcs) != crc_blocks(layout.nbytes) or crcs.itemsize != 4:
+            raise InvalidRequestError(f"crcs must be a uint32 array of {crc_blocks(layout.nbytes)} "
+                                      f"checksums; make it with crc_buffer(crc_blocks(nbytes))")
+        first_block = offset_bytes // CRC_BLOCK_BYTES
+        ops = self._ops(self._pieces(layout, offset_bytes, stop), address - offset_bytes,
+                        is_write=True, crc_address=_address_of(crcs) + 4 * first_block,
+                        first_block=first_block)
+        return self.engine.submit(ops, keepalive=crcs)
+
+    def _check_range(self, layout: TensorLayout, address: int, offset_bytes: int, nbytes: int) -> int:
+        """Validate a partial transfer; returns where it stops (the end rounded to 4 KiB at the
+        tensor's end)."""
+        end = offset_bytes + nbytes
+        if offset_bytes < 0 or nbytes <= 0 or end > layout.nbytes:
+            raise OutOfRangeError(
+                f"bytes [{offset_bytes}, {end}) reach past the end of a {layout.nbytes}-byte tensor; "
+                f"transfer at most {layout.nbytes - max(offset_bytes, 0)} bytes from offset "
+                f"{offset_bytes}")
+        if offset_bytes % CRC_BLOCK_BYTES or (end % CRC_BLOCK_BYTES and end != layout.nbytes):
+            raise InvalidRequestError(
+                f"partial transfers must start and end on 1 MiB boundaries (or at the end of the "
+                f"tensor) so that their checksums cover whole blocks; got [{offset_bytes}, {end})")
+        if address % PAGE_BYTES:
+            raise InvalidRequestError("partial transfers need a 4 KiB-aligned address; use read_tensor")
+        return round_up(end, PAGE_BYTES) if end == layout.nbytes else end
+
+    def write_tensor(self, tensor: "torch.Tensor", *, layout: TensorLayout | None = None) -> NvmeWrite:
         """Write a CPU tensor's bytes; an unaligned or odd-sized tensor goes through a staging copy."""
+        import torch
+
+        from infinity.io import aligned_empty
+
         if tensor.device.type != "cpu":
             raise InvalidRequestError("the NVMe tier writes CPU tensors; call .cpu() first")
         if not tensor.is_contiguous():
@@ -346,30 +491,22 @@ class NvmeTier:
         every block read is verified whole. The buffer must hold the range rounded up to 4 KiB.
         """
         nbytes = layout.nbytes - offset_bytes if nbytes is None else nbytes
-        end = offset_bytes + nbytes
-        if offset_bytes < 0 or nbytes <= 0 or end > layout.nbytes:
-            raise OutOfRangeError(
-                f"bytes [{offset_bytes}, {end}) reach past the end of a {layout.nbytes}-byte tensor; "
-                f"read at most {layout.nbytes - max(offset_bytes, 0)} bytes from offset {offset_bytes}")
-        if offset_bytes % CRC_BLOCK_BYTES or (end % CRC_BLOCK_BYTES and end != layout.nbytes):
-            raise InvalidRequestError(
-                f"partial reads must start and end on 1 MiB boundaries (or at the end of the tensor) "
-                f"so that their checksums can be verified; got [{offset_bytes}, {end})")
-        if address % PAGE_BYTES:
-            raise InvalidRequestError("read_into needs a 4 KiB-aligned address; use read_tensor")
+        stop = self._check_range(layout, address, offset_bytes, nbytes)
         if not layout.crcs:
             raise InvalidRequestError("this layout has no checksums yet: wait for its write to finish")
-        stop = round_up(end, PAGE_BYTES) if end == layout.nbytes else end
         first_block = offset_bytes // CRC_BLOCK_BYTES
         last_block = (stop + CRC_BLOCK_BYTES - 1) // CRC_BLOCK_BYTES
-        expected = torch.tensor([c - (1 << 32) if c >= 1 << 31 else c
-                                 for c in layout.crcs[first_block:last_block]], dtype=torch.int32)
+        expected = crc_buffer(layout.crcs[first_block:last_block])
         ops = self._ops(self._pieces(layout, offset_bytes, stop), address - offset_bytes,
-                        is_write=False, crc_address=expected.data_ptr(), first_block=first_block)
+                        is_write=False, crc_address=_address_of(expected), first_block=first_block)
         return self.engine.submit(ops, keepalive=expected)
 
-    def read_tensor(self, layout: TensorLayout, out: torch.Tensor) -> None:
+    def read_tensor(self, layout: TensorLayout, out: "torch.Tensor") -> None:
         """Read a whole tensor into `out` (any CPU tensor of exactly `layout.nbytes` bytes), blocking."""
+        import torch
+
+        from infinity.io import aligned_empty
+
         nbytes = out.numel() * out.element_size()
         if nbytes > layout.nbytes:
             raise OutOfRangeError(
@@ -396,6 +533,8 @@ class NvmeTier:
             "capacity_bytes": d.capacity_bytes,
             "file_bytes": d.allocator.capacity_bytes,
             "used_bytes": d.allocator.used_bytes,
+            "bytes_read": d.bytes_read,
+            "bytes_written": d.bytes_written,
         } for d in self.directories]
 
     def close(self) -> None:

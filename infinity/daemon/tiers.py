@@ -1,0 +1,964 @@
+"""The tier manager: where each version's bytes live (CPU tier, NVMe, or both), and moving them.
+
+It owns, for infinityd:
+
+- the CPU tier's growth (segments created on a worker thread) and its slices;
+- eviction: the policy (`infinity.daemon.policy`) picks victims among the
+  tensors that may go; clean ones are dropped at once, dirty ones are written
+  back first (the engine writes straight from the shared segment), and up to
+  `nvme.write_behind_bytes` more of the coldest dirty tensors are written back
+  ahead, so that later evictions find clean victims;
+- loads: a tensor that is only on NVMe is read by the engine straight into a
+  fresh slice of a shared segment, CRC32C verified; concurrent requests for it
+  share one load (`ensure_resident`, `prefetch`);
+- durability: `make_durable` writes back what is dirty, then one `DurableIndex`
+  transaction (fdatasync first, on the index's thread) points the names at
+  their new extents; replaced extents are freed only after that commit.
+  Deletes remove the name from the index the same way; `restore` rebuilds the
+  catalog from the index at start;
+- the counters of all of that, kept as it happens.
+
+It implements the catalog's `Storage` hooks, so it hears of every version
+that is published, replaced, leased exclusively, written in place or freed.
+Everything runs on the loop thread and nothing here blocks: I/O completes on
+the engine's threads and comes back through its completion fd, SQLite through
+the index's. It knows nothing of sockets or sessions: callers pass callbacks,
+which run on the loop thread with None or the typed error.
+
+Invariants:
+- a version with a lease, I/O in flight (`pins`) or a stream on it is never
+  evicted; a version being written back is not evicted before the write ends;
+- an NVMe copy (`DiskCopy`) is immutable once written; its extents are freed
+  only when no version owns it, the index does not point at it, and no index
+  transaction that would point at it is in flight;
+- index updates for one name are issued in version order, and one issued for
+  an older version after a newer update (or a delete) was issued is skipped,
+  so the index never goes back in time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from infinity.config import InfinityConfig
+from infinity.daemon.arena import (ALIGNMENT_BYTES, CpuArena, CpuSlice, Segment, SegmentPlan,
+                                   SpaceShortage, create_segment)
+from infinity.daemon.catalog import Catalog, Key, Version, placement_wire
+from infinity.daemon.loop import EventLoop
+from infinity.daemon.policy import EvictionPolicy, default_policy
+from infinity.errors import (ChecksumError, InfinityError, InvalidRequestError, IOEngineError,
+                             LeaseError, StoreDirectoryError, TierFullError, TooLargeError)
+from infinity.io import IOEngine, IOFuture
+from infinity.protocol import dtypes
+from infinity.store.durable import DurableIndex, DurableRecord
+from infinity.store.nvme import GrowthNeeded, NvmeTier, NvmeWrite, TensorLayout
+
+log = logging.getLogger("infinityd.tiers")
+
+Callback = Callable[[InfinityError | None], None]
+
+
+@dataclass(eq=False, slots=True)
+class DiskCopy:
+    """One tensor's bytes on NVMe: written once, never modified, freed when nothing refers to it."""
+
+    layout: TensorLayout
+    owned: bool = True  # the clean copy of a live version
+    indexed: bool = False  # the durable index points its name at it
+    publishing: int = 0  # index transactions in flight (or about to be) that will point at it
+
+
+@dataclass(eq=False, slots=True)
+class _Load:
+    version: Version
+    waiters: list[Callback]
+    piece: CpuSlice | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _WriteBack:
+    version: Version
+    edits: int  # the version's exclusive-lease count when it started: more means stale
+    waiters: list[Callback]
+    ahead: int = 0  # bytes it counts against nvme.write_behind_bytes (0 once it is an eviction)
+
+
+@dataclass(eq=False, slots=True)
+class _Flush:
+    """A make_durable request: write-backs to wait for, then one index transaction."""
+
+    versions: list[Version]
+    errors: list[InfinityError | None]
+    done: Callable[[list[InfinityError | None]], None]
+    ready: list[tuple[int, Version, DiskCopy]] = field(default_factory=list)
+    waiting: int = 0
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Counters of the tiers' work, kept as it happens (read by `stats` and the monitor)."""
+
+    segments_created: int = 0
+    segment_failures: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    writebacks: int = 0
+    writeback_bytes: int = 0
+    writeback_failures: int = 0
+    writebacks_stale: int = 0  # written in place while being written back: discarded
+    reloads: int = 0
+    reload_bytes: int = 0
+    reload_failures: int = 0
+    checksum_errors: int = 0
+    prefetches: int = 0
+    prefetch_bytes: int = 0
+    load_waits: int = 0  # requests that joined a load already under way
+    space_waits: int = 0  # allocations that waited for a segment or a write-back
+    flushes: int = 0  # index transactions committed
+    flushed_tensors: int = 0
+    flushed_bytes: int = 0
+    flush_failures: int = 0
+    index_removals: int = 0
+    disk_growths: int = 0
+    stream_read_bytes: int = 0
+    stream_write_bytes: int = 0
+
+
+class _Candidates(Mapping[Key, int]):
+    """The tensors that may be evicted now, as a live map key -> CPU bytes freed.
+
+    Membership is O(1); iteration walks the resident tensors (policies that keep
+    their own order should test membership instead).
+    """
+
+    def __init__(self, tiers: TierManager) -> None:
+        self._tiers = tiers
+
+    def _evictable(self, version: Version) -> bool:
+        # A resident version's only pin is its own write-back; one written back ahead of need
+        # may still be chosen (it is then evicted once written), one already chosen may not.
+        if version.shared or version.exclusive or version.cpu is None or version.evict_when_clean:
+            return False
+        if version.pins != (1 if version.writeback is not None else 0):
+            return False
+        return not version.dirty or version.writeback is not None or self._tiers.write_error is None
+
+    def __getitem__(self, key: Key) -> int:
+        version = self._tiers.resident.get(key)
+        if version is None or not self._evictable(version):
+            raise KeyError(key)
+        assert version.cpu is not None
+        return version.cpu.length
+
+    def __contains__(self, key: object) -> bool:
+        version = self._tiers.resident.get(key)  # type: ignore[call-overload]
+        return version is not None and self._evictable(version)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter([key for key, version in self._tiers.resident.items()
+                     if self._evictable(version)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+_FREED, _PENDING, _NOTHING, _RETRY = "freed", "pending", "nothing", "retry"
+
+
+def void(_: object) -> None:
+    """Drop a result (poll() returns counts the loop has no use for)."""
+
+
+class TierManager:
+    """The CPU tier and the NVMe tier under one set of rules. Loop thread only."""
+
+    def __init__(self, config: InfinityConfig, loop: EventLoop, arena: CpuArena, *,
+                 policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.loop = loop
+        self.arena = arena
+        self.policy: EvictionPolicy = policy if policy is not None else default_policy()
+        self.catalog: Catalog | None = None  # set by attach(): the catalog is built on top of us
+        self.engine: IOEngine | None = None
+        self.nvme: NvmeTier | None = None
+        self.index: DurableIndex | None = None
+        self.counters = TierCounters()
+        self.resident: dict[Key, Version] = {}  # current versions in the CPU tier (with NVMe only)
+        self.candidates = _Candidates(self)
+        # The last write-back failed (no NVMe room, or an I/O error): dirty tensors are not
+        # chosen as victims until NVMe space is freed or a write-back succeeds, so a failing
+        # disk is not retried in a loop; requests get this error instead.
+        self.write_error: InfinityError | None = None
+        self._space_waiters: list[Callback] = []
+        self._wake_scheduled = False
+        self._evicting = 0  # write-backs whose version is evicted once written
+        self._write_behind_bytes = 0  # bytes being written back ahead of need
+        self._disk_growth: dict[int, list[Callback]] = {}
+        self._indexed: dict[Key, DiskCopy] = {}  # what the committed index says, name by name
+        self._index_issued: dict[Key, int] = {}  # version stamp of the last index update issued
+        self._index_pending: dict[Key, int] = {}  # index transactions in flight, per name
+        self._flushing: dict[Key, int] = {}  # make_durable jobs not yet at their transaction
+        self._closing = False
+        if config.nvme.dirs:
+            self._open_nvme()
+
+    def _open_nvme(self) -> None:
+        engine = IOEngine.from_config(self.config.io)
+        nvme: NvmeTier | None = None
+        try:
+            nvme = NvmeTier(self.config.nvme, engine)
+            self.index = DurableIndex(nvme)
+        except BaseException:
+            if nvme is not None:
+                nvme.close()
+            engine.close()
+            raise
+        self.engine, self.nvme = engine, nvme
+        index = self.index
+        self.loop.add_reader(engine.completion_fd, lambda: void(engine.poll()))
+        self.loop.add_reader(index.completion_fd, lambda: void(index.poll()))
+        log.info("NVMe tier: %s (engine %s%s); index %s",
+                 ", ".join(f"{d['path']} ({d['mode']})" for d in nvme.describe()), engine.backend,
+                 f": {engine.backend_note}" if engine.backend_note else "", self.index.path)
+
+    def attach(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    @property
+    def _catalog(self) -> Catalog:
+        assert self.catalog is not None, "TierManager.attach(catalog) was not called"
+        return self.catalog
+
+    @property
+    def durable(self) -> bool:
+        """Whether this daemon has an NVMe tier, hence durable writes."""
+        return self.index is not None
+
+    def require_durable(self) -> None:
+        if self.index is None:
+            raise InvalidRequestError(
+                "this infinityd has no NVMe tier (nvme.dirs is empty), so nothing can be made "
+                "durable; set nvme.dirs to a directory on a local drive and restart infinityd")
+
+    # --- the catalog's Storage hooks -------------------------------------------------
+
+    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
+        """A fresh CPU slice for a reservation, its 4 KiB padding zeroed (it is written to
+        NVMe with the tensor). Raises SpaceShortage: wait with `when_space`, then retry."""
+        piece = self.allocate_slice(nbytes, what=what)
+        self._zero_padding(piece, nbytes)
+        return piece
+
+    def free(self, piece: CpuSlice) -> None:
+        self.arena.free(piece)
+        self._wake_space()
+
+    def published(self, version: Version) -> None:
+        if self.nvme is not None and version.cpu is not None and version.nbytes:
+            self.resident[version.key] = version
+            self.policy.touched(version.key, version.nbytes)
+
+    def unpublished(self, version: Version) -> None:
+        if self.nvme is not None and self.resident.get(version.key) is version:
+            del self.resident[version.key]
+            self.policy.forget(version.key)
+
+    def leased_exclusively(self, version: Version) -> None:
+        version.edits += 1  # a write-back under way no longer describes what will be there
+
+    def written(self, version: Version) -> None:
+        version.dirty = True
+        copy = version.nvme
+        if copy is not None:
+            version.nvme = None
+            copy.owned = False
+            self._release_copy(copy)
+
+    def retire(self, version: Version) -> None:
+        if version.cpu is not None:
+            self.arena.free(version.cpu)
+            version.cpu = None
+            self._wake_space()
+        copy = version.nvme
+        if copy is not None:
+            version.nvme = None
+            copy.owned = False
+            self._release_copy(copy)
+
+    def touched(self, version: Version) -> None:
+        """A get used a resident version (the policy's recency)."""
+        self.policy.touched(version.key, version.nbytes)
+
+    # --- CPU space ---------------------------------------------------------------------
+
+    def allocate_slice(self, nbytes: int, *, what: str) -> CpuSlice:
+        """A CPU slice of `nbytes` (> 0), evicting if the tier is full.
+
+        Raises TooLargeError (more than the whole tier), TierFullError or the NVMe tier's
+        StoreFullError / DiskFullError (nothing can be evicted), or SpaceShortage: a segment
+        is being created or victims are being written back; `when_space` says when to retry.
+        """
+        arena = self.arena
+        while True:
+            try:
+                return arena.allocate(nbytes, what=what)
+            except SpaceShortage as shortage:
+                if arena.growing:
+                    raise
+                plan = arena.plan_growth(shortage)
+                if plan is not None:
+                    self._grow_arena(plan)
+                    raise
+                full: InfinityError = self._tier_full(nbytes, what)
+            except TierFullError as exc:
+                full = exc
+            if self.nvme is None:
+                raise full
+            outcome = self._evict_for(nbytes)
+            if outcome in (_FREED, _RETRY):
+                continue
+            if outcome == _PENDING:
+                raise SpaceShortage(nbytes, dedicated=False)
+            error = self.write_error
+            if error is not None and any(v.dirty for v in self.resident.values()):
+                raise type(error)(
+                    f"the CPU tier is full and its dirty tensors cannot be written back to make "
+                    f"room for {what}: {error}")
+            raise self._tier_full(nbytes, what)
+
+    def _tier_full(self, nbytes: int, what: str) -> TierFullError:
+        return TierFullError(
+            f"the CPU tier is full: {self.arena.used_bytes} of {self.arena.budget_bytes} bytes are "
+            f"in use{', by leased or busy tensors' if self.nvme is not None else ''}, and {what} "
+            f"needs {nbytes} more; raise cpu.budget_bytes or delete tensors (or release leases)")
+
+    def free_slice(self, piece: CpuSlice) -> None:
+        self.arena.free(piece)
+        self._wake_space()
+
+    def address_of(self, piece: CpuSlice) -> int:
+        return self.arena.address_of(piece)
+
+    def zero(self, piece: CpuSlice, start: int, end: int) -> None:
+        """Zero bytes [start, end) of a slice (padding only: never tensor bytes)."""
+        if end > start:
+            ctypes.memset(self.arena.address_of(piece) + start, 0, end - start)
+
+    def _zero_padding(self, piece: CpuSlice, nbytes: int) -> None:
+        # Slices are reused without clearing; what lies past the tensor goes to NVMe with it.
+        end = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        self.zero(piece, nbytes, end)
+
+    def when_space(self, callback: Callback) -> None:
+        """Call `callback(None)` once CPU space may have been freed (retry then), or
+        `callback(error)` if the tier's growth failed."""
+        self.counters.space_waits += 1
+        self._space_waiters.append(callback)
+
+    def _wake_space(self) -> None:
+        # Deferred to the next loop turn: this may run inside a catalog call, which a waiter
+        # (a parked request) must not re-enter.
+        if self._space_waiters and not self._wake_scheduled:
+            self._wake_scheduled = True
+            self.loop.call_soon_threadsafe(self._run_space_waiters)
+
+    def _run_space_waiters(self, error: InfinityError | None = None) -> None:
+        self._wake_scheduled = False
+        waiters, self._space_waiters = self._space_waiters, []
+        for waiter in waiters:
+            try:
+                waiter(error)
+            except Exception:
+                log.exception("error in a request waiting for CPU-tier space")
+
+    def _grow_arena(self, plan: SegmentPlan) -> None:
+        config = self.config.cpu
+        self.loop.run_in_worker(lambda: create_segment(plan, config),
+                                lambda done: self._arena_grown(plan, done))
+
+    def _arena_grown(self, plan: SegmentPlan, done: Future[Segment]) -> None:
+        try:
+            segment = done.result()
+        except Exception as exc:
+            self.arena.abandon(plan)
+            self.counters.segment_failures += 1
+            error = exc if isinstance(exc, InfinityError) else TierFullError(
+                f"could not create a {plan.size_bytes}-byte CPU-tier segment "
+                f"({type(exc).__name__}: {exc}); lower cpu.budget_bytes or free memory")
+            log.error("CPU tier: %s", error)
+            self._run_space_waiters(error)
+            return
+        if self._closing:
+            segment.destroy()
+            return
+        self.arena.install(segment)
+        self.counters.segments_created += 1
+        self._run_space_waiters()
+
+    # --- eviction ------------------------------------------------------------------------
+
+    def _evict_for(self, nbytes: int) -> str:
+        """Free CPU space for an allocation of `nbytes`: _FREED (retry now), _PENDING (victims
+        are being written back: wait for `when_space`), _RETRY (a write-back failed at once:
+        choose again without dirty victims) or _NOTHING (nothing may go)."""
+        ahead = self.config.nvme.write_behind_bytes
+        error_before = self.write_error
+        victims = self.policy.choose_victims(self.candidates, nbytes + ahead)
+        freed = False
+        covered = 0
+        for key in victims:
+            version = self.resident.get(key)
+            if version is None or key not in self.candidates:
+                continue  # the policy named something that may not go now
+            assert version.cpu is not None
+            if covered < nbytes:
+                covered += version.cpu.length
+                if version.dirty or version.writeback is not None:
+                    self._write_back(version, evict=True)
+                else:
+                    self._evict(version)
+                    freed = True
+            elif version.dirty and version.writeback is None and self._write_behind_bytes < ahead:
+                self._write_back(version, evict=False, ahead=True)
+        if freed:
+            return _FREED
+        if self._evicting:
+            return _PENDING  # a write-back in flight will evict and wake the waiters
+        if self.write_error is not None and error_before is None:
+            return _RETRY
+        return _NOTHING
+
+    def _evict(self, version: Version) -> None:
+        assert version.cpu is not None and not version.dirty
+        self.arena.free(version.cpu)
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += version.nbytes
+        version.cpu = None
+        version.wire = []
+        del self.resident[version.key]
+        self.policy.forget(version.key)
+        self._wake_space()
+
+    # --- write-back ---------------------------------------------------------------------
+
+    def _write_back(self, version: Version, *, evict: bool, ahead: bool = False,
+                    waiter: Callback | None = None) -> None:
+        """Write a dirty resident version to fresh extents (joining a write-back under way).
+        evict: free its CPU slice once written; ahead: written ahead of need (write-behind)."""
+        wb = version.writeback
+        fresh = wb is None
+        if wb is None:
+            wb = version.writeback = _WriteBack(version, version.edits, [])
+            version.pins += 1
+            if ahead:
+                wb.ahead = version.nbytes
+                self._write_behind_bytes += wb.ahead
+        if evict and not version.evict_when_clean:
+            version.evict_when_clean = True
+            self._evicting += 1
+            self._write_behind_bytes -= wb.ahead  # needed now, no longer ahead
+            wb.ahead = 0
+        if waiter is not None:
+            wb.waiters.append(waiter)
+        if fresh:
+            self._submit_write_back(wb)
+
+    def _submit_write_back(self, wb: _WriteBack) -> None:
+        version = wb.version
+        nvme = self.nvme
+        assert nvme is not None
+        if self._closing:
+            self._wrote_back(wb, None, IOEngineError("infinityd is stopping; nothing more is "
+                                                     "written to NVMe"))
+            return
+        if version.cpu is None or version.edits != wb.edits:
+            # Leased exclusively while waiting for the store file to grow: not settled now.
+            self._wrote_back(wb, None, self._stale(version))
+            return
+        try:
+            layout = nvme.allocate(version.nbytes, grow=False)
+        except GrowthNeeded as need:
+            self._grow_disk(need.index, need.nbytes, lambda error: (
+                self._submit_write_back(wb) if error is None else self._wrote_back(wb, None, error)))
+            return
+        except InfinityError as exc:
+            self._wrote_back(wb, None, exc)
+            return
+        try:
+            write = nvme.write_from(self.arena.address_of(version.cpu), version.nbytes,
+                                    layout=layout)
+        except InfinityError as exc:
+            nvme.free(layout)
+            self._wrote_back(wb, None, exc)
+            return
+        write.future.add_done_callback(lambda _: self._write_done(wb, write, layout))
+
+    @staticmethod
+    def _stale(version: Version) -> LeaseError:
+        return LeaseError(
+            f"tensor {version.key[1]!r} in namespace {version.key[0]!r} was leased exclusively "
+            f"while it was written to NVMe; flush again once the lease ends")
+
+    def _write_done(self, wb: _WriteBack, write: NvmeWrite, layout: TensorLayout) -> None:
+        try:
+            final = write.result()
+        except InfinityError as exc:
+            assert self.nvme is not None
+            self.nvme.free(layout)
+            self._wrote_back(wb, None, exc)
+            return
+        self._wrote_back(wb, final, None)
+
+    def _wrote_back(self, wb: _WriteBack, layout: TensorLayout | None,
+                    error: InfinityError | None) -> None:
+        version = wb.version
+        version.writeback = None
+        version.pins -= 1
+        evict = version.evict_when_clean
+        if evict:
+            version.evict_when_clean = False
+            self._evicting -= 1
+        self._write_behind_bytes -= wb.ahead
+        counters = self.counters
+        if layout is not None:
+            if version.edits != wb.edits:
+                # Leased exclusively while the engine read it: the copy may be torn. Drop it.
+                self.free_disk(layout)
+                counters.writebacks_stale += 1
+                error = self._stale(version)
+            else:
+                version.nvme = DiskCopy(layout)
+                version.dirty = False
+                counters.writebacks += 1
+                counters.writeback_bytes += version.nbytes
+                self.write_error = None
+        if layout is None and error is not None:
+            counters.writeback_failures += 1
+            if not isinstance(error, LeaseError):
+                self.write_error = error
+            log.warning("write-back of %r in %r failed: %s", version.key[1], version.key[0], error)
+        if (evict and not version.dirty and version.cpu is not None and not version.shared
+                and not version.exclusive and not version.pins
+                and self.resident.get(version.key) is version):
+            self._evict(version)
+        for waiter in wb.waiters:
+            waiter(error)
+        self._catalog.unpinned(version)
+        # Space waiters retry: the victim is gone, or they must pick another (this one failed).
+        if self._space_waiters and not self._wake_scheduled:
+            self._wake_scheduled = True
+            self.loop.call_soon_threadsafe(self._run_space_waiters)
+
+    # --- NVMe space ---------------------------------------------------------------------
+
+    def _grow_disk(self, index: int, nbytes: int, then: Callback) -> None:
+        """Grow directory `index`'s extent file on a worker thread; `then(error)` afterwards."""
+        waiting = self._disk_growth.get(index)
+        if waiting is not None:
+            waiting.append(then)
+            return
+        self._disk_growth[index] = [then]
+        nvme = self.nvme
+        assert nvme is not None
+        self.loop.run_in_worker(lambda: nvme.grow(index, nbytes),
+                                lambda done: self._disk_grown(index, done))
+
+    def _disk_grown(self, index: int, done: Future[bool]) -> None:
+        waiters = self._disk_growth.pop(index, [])
+        error: InfinityError | None = None
+        try:
+            done.result()
+            self.counters.disk_growths += 1
+            self.write_error = None
+        except InfinityError as exc:
+            error = exc
+        except Exception as exc:
+            error = StoreDirectoryError(f"growing the store file failed ({type(exc).__name__}: "
+                                        f"{exc}); check the directory and the device")
+        for waiter in waiters:
+            waiter(error)
+
+    def allocate_disk(self, nbytes: int, then: Callable[[TensorLayout | None, InfinityError | None], None]
+                      ) -> None:
+        """Extents for `nbytes` (growing the files off the loop when needed); `then(layout,
+        None)` or `then(None, error)`, possibly at once."""
+        nvme = self.nvme
+        assert nvme is not None
+        try:
+            layout = nvme.allocate(nbytes, grow=False)
+        except GrowthNeeded as need:
+            self._grow_disk(need.index, need.nbytes, lambda error: (
+                self.allocate_disk(nbytes, then) if error is None else then(None, error)))
+            return
+        except InfinityError as exc:
+            then(None, exc)
+            return
+        then(layout, None)
+
+    def free_disk(self, layout: TensorLayout) -> None:
+        assert self.nvme is not None
+        self.nvme.free(layout)
+        self.write_error = None
+        self._wake_space()
+
+    def _release_copy(self, copy: DiskCopy) -> None:
+        if copy.owned or copy.indexed or copy.publishing:
+            return
+        if copy.layout.extents:
+            self.free_disk(copy.layout)
+
+    # --- loads ---------------------------------------------------------------------------
+
+    def ensure_resident(self, version: Version, callback: Callback) -> bool:
+        """True when the version's bytes are in the CPU tier now. Otherwise start (or join) its
+        load from NVMe and return False; `callback(None or error)` runs when it is done.
+
+        Raises TooLargeError at once for a tensor larger than the whole CPU tier.
+        """
+        if version.cpu is not None or not version.nbytes:
+            return True
+        self._check_fits(version)
+        load = version.loading
+        if load is not None:
+            self.counters.load_waits += 1
+            load.waiters.append(callback)
+            return False
+        load = self._new_load(version)
+        load.waiters.append(callback)
+        self._continue_load(load)
+        return False
+
+    def prefetch(self, version: Version) -> bool:
+        """Start loading a tensor that is only on NVMe, if it could fit; True if a load runs."""
+        if (self.nvme is None or version.cpu is not None or not version.nbytes
+                or version.nbytes > self.arena.budget_bytes or version.nvme is None
+                or self._closing):
+            return False
+        if version.loading is None:
+            self.counters.prefetches += 1
+            self.counters.prefetch_bytes += version.nbytes
+            self._continue_load(self._new_load(version))
+        return True
+
+    def _check_fits(self, version: Version) -> None:
+        if version.nbytes > self.arena.budget_bytes:
+            namespace, name = version.key
+            raise TooLargeError(
+                f"tensor {name!r} in namespace {namespace!r} has {version.nbytes} bytes, more than "
+                f"the whole CPU tier (cpu.budget_bytes={self.arena.budget_bytes}), so it cannot be "
+                f"leased whole; read it in pieces with client.read_into(name, out) (and write it "
+                f"with client.write_from(name, src)), or raise cpu.budget_bytes")
+
+    def _new_load(self, version: Version) -> _Load:
+        load = version.loading = _Load(version, [])
+        version.pins += 1
+        return load
+
+    def _continue_load(self, load: _Load) -> None:
+        version = load.version
+        nvme = self.nvme
+        if self._closing or nvme is None or version.nvme is None:
+            self._loaded(load, IOEngineError(
+                "infinityd is stopping" if self._closing else
+                f"tensor {version.key[1]!r} has no copy on NVMe to load (internal error)"))
+            return
+        if load.piece is None:
+            try:
+                load.piece = self.allocate_slice(
+                    version.nbytes, what=f"tensor {version.key[1]!r}")
+            except SpaceShortage:
+                self.when_space(lambda error: (
+                    self._continue_load(load) if error is None else self._loaded(load, error)))
+                return
+            except InfinityError as exc:
+                self._loaded(load, exc)
+                return
+        try:
+            future = nvme.read_into(version.nvme.layout, self.arena.address_of(load.piece))
+        except InfinityError as exc:
+            self._loaded(load, exc)
+            return
+        future.add_done_callback(lambda done: self._read_done(load, done))
+
+    def _read_done(self, load: _Load, future: IOFuture) -> None:
+        error: InfinityError | None = future.exception()
+        if isinstance(error, ChecksumError):
+            namespace, name = load.version.key
+            self.counters.checksum_errors += 1
+            error = ChecksumError(f"tensor {name!r} in namespace {namespace!r} is corrupted on "
+                                  f"NVMe, so it is not served: {error}")
+            log.error("%s", error)
+        self._loaded(load, error)
+
+    def _loaded(self, load: _Load, error: InfinityError | None) -> None:
+        version = load.version
+        version.loading = None
+        version.pins -= 1
+        if error is None:
+            assert load.piece is not None
+            version.cpu = load.piece
+            version.wire = placement_wire(version)
+            self.counters.reloads += 1
+            self.counters.reload_bytes += version.nbytes
+            if version.current and self.nvme is not None:
+                self.resident[version.key] = version
+                self.policy.touched(version.key, version.nbytes)
+        else:
+            if load.piece is not None:
+                self.free_slice(load.piece)
+            self.counters.reload_failures += 1
+        for waiter in load.waiters:
+            waiter(error)
+        self._catalog.unpinned(version)
+
+    # --- durability ----------------------------------------------------------------------
+
+    def make_durable(self, versions: Sequence[Version],
+                     done: Callable[[list[InfinityError | None]], None]) -> None:
+        """Write back what is dirty, then point every version's name at its NVMe copy in one
+        index transaction (after fdatasync). `done(errors)` has one entry per version (None:
+        durable), and runs only once the transaction committed (possibly at once)."""
+        self.require_durable()
+        job = _Flush(list(versions), [None] * len(versions), done)
+        job.waiting = 1  # this loop: a write-back failing at once must not publish early
+        for version in job.versions:  # a delete meanwhile must know a flush is coming
+            self._flushing[version.key] = self._flushing.get(version.key, 0) + 1
+        for i, version in enumerate(job.versions):
+            if version.nbytes == 0:
+                if version.nvme is None:
+                    version.nvme = DiskCopy(TensorLayout(0, self.config.nvme.stripe_bytes, (), ()))
+                self._flush_ready(job, i, version)
+            elif version.exclusive:
+                job.errors[i] = LeaseError(
+                    f"tensor {version.key[1]!r} in namespace {version.key[0]!r} is leased "
+                    f"exclusively (being written in place), so its bytes are not settled; flush "
+                    f"after the lease is released")
+            elif version.nvme is not None and not version.dirty:
+                self._flush_ready(job, i, version)
+            elif version.cpu is not None:
+                job.waiting += 1
+                self._write_back(version, evict=False,
+                                 waiter=functools.partial(self._flush_written, job, i, version))
+            else:
+                job.errors[i] = InfinityError(f"tensor {version.key[1]!r} has no bytes anywhere "
+                                              f"(internal error); see infinityd's log")
+        self._flush_written(job, -1, None, None)
+
+    def _flush_ready(self, job: _Flush, i: int, version: Version) -> None:
+        copy = version.nvme
+        assert copy is not None
+        if copy.indexed and self._indexed.get(version.key) is copy:
+            return  # durable already: nothing to write
+        copy.publishing += 1  # held for the transaction, even if the version goes meanwhile
+        job.ready.append((i, version, copy))
+
+    def _flush_written(self, job: _Flush, i: int, version: Version | None,
+                       error: InfinityError | None) -> None:
+        job.waiting -= 1
+        if version is None:
+            pass  # the end of make_durable's loop
+        elif error is not None:
+            job.errors[i] = error
+        elif version.nvme is not None:
+            self._flush_ready(job, i, version)
+        if not job.waiting:
+            self._flush_publish(job)
+
+    def _flush_publish(self, job: _Flush) -> None:
+        for version in job.versions:
+            left = self._flushing[version.key] - 1
+            if left:
+                self._flushing[version.key] = left
+            else:
+                del self._flushing[version.key]
+        records: list[DurableRecord] = []
+        published: list[tuple[int, Key, DiskCopy, int]] = []
+        for i, version, copy in job.ready:
+            key = version.key
+            if self._index_issued.get(key, 0) > version.stamp:
+                # A newer version's update, or a delete, went to the index after this was asked
+                # for: writing this one now would take the name back in time.
+                copy.publishing -= 1
+                self._release_copy(copy)
+                self._forget_order(key)
+                continue
+            self._index_issued[key] = version.stamp
+            self._index_pending[key] = self._index_pending.get(key, 0) + 1
+            records.append(DurableRecord(key[0], key[1], version.dtype, version.shape, copy.layout))
+            published.append((i, key, copy, version.nbytes))
+        for version in job.versions:
+            self._forget_order(version.key)
+        if not records:
+            job.done(job.errors)
+            return
+        assert self.index is not None
+        try:
+            self.index.publish(records, on_done=lambda f: self._flush_committed(job, published, f))
+        except InfinityError as exc:
+            self._flush_committed(job, published, None, exc)
+
+    def _flush_committed(self, job: _Flush, published: list[tuple[int, Key, DiskCopy, int]],
+                         future: Future[None] | None, failure: InfinityError | None = None) -> None:
+        error = failure
+        if future is not None:
+            exc = future.exception()
+            error = exc if isinstance(exc, InfinityError) or exc is None else StoreDirectoryError(
+                f"the store index failed ({type(exc).__name__}: {exc}); see infinityd's log")
+        for i, key, copy, nbytes in published:
+            self._index_done(key)
+            copy.publishing -= 1
+            if error is None:
+                old = self._indexed.get(key)
+                self._indexed[key] = copy
+                copy.indexed = True
+                if old is not None and old is not copy:
+                    old.indexed = False
+                    self._release_copy(old)
+                self.counters.flushed_tensors += 1
+                self.counters.flushed_bytes += nbytes
+            else:
+                job.errors[i] = error
+                self._release_copy(copy)
+        if error is None:
+            self.counters.flushes += 1
+        else:
+            self.counters.flush_failures += 1
+            log.error("flush failed: %s", error)
+        job.done(job.errors)
+
+    def _index_done(self, key: Key) -> None:
+        left = self._index_pending[key] - 1
+        if left:
+            self._index_pending[key] = left
+        else:
+            del self._index_pending[key]
+
+    def _forget_order(self, key: Key) -> None:
+        """Drop a name's index ordering once nothing about it is indexed, pending or coming
+        (only versions newer than any seen so far can start a flush after that)."""
+        if key not in self._indexed and key not in self._index_pending and key not in self._flushing:
+            self._index_issued.pop(key, None)
+
+    def remove_durable(self, key: Key, done: Callback) -> bool:
+        """After a delete: take the name out of the index too. True if that is under way and
+        `done(error)` will run once it committed; False if the name was never durable."""
+        if self.index is None:
+            return False
+        if key in self._flushing:
+            # A flush of a version of this name is still writing: when it gets to the index,
+            # this delete must win over it.
+            self._index_issued[key] = self._catalog.next_stamp()
+        if key not in self._indexed and key not in self._index_pending:
+            return False
+        self._index_issued[key] = self._catalog.next_stamp()
+        self._index_pending[key] = self._index_pending.get(key, 0) + 1
+
+        def removed(future: Future[None]) -> None:
+            self._index_done(key)
+            exc = future.exception()
+            error = exc if isinstance(exc, InfinityError) or exc is None else StoreDirectoryError(
+                f"the store index failed ({type(exc).__name__}: {exc}); see infinityd's log")
+            if error is None:
+                self.counters.index_removals += 1
+                old = self._indexed.pop(key, None)
+                if old is not None:
+                    old.indexed = False
+                    self._release_copy(old)
+            self._forget_order(key)
+            done(error)
+
+        self.index.remove([key], on_done=removed)
+        return True
+
+    def is_durable(self, version: Version) -> bool:
+        copy = version.nvme
+        return copy is not None and copy.indexed and self._indexed.get(version.key) is copy
+
+    def restore(self) -> int:
+        """Publish every tensor of the durable index (at start, before serving); returns how many."""
+        if self.index is None:
+            return 0
+        catalog = self._catalog
+        records = self.index.load()
+        for record in records:
+            key = (record.namespace, record.name)
+            nbytes = dtypes.tensor_nbytes(record.dtype, record.shape)
+            if nbytes != record.layout.nbytes:
+                raise StoreDirectoryError(
+                    f"the store index {self.index.path} says tensor {record.name!r} in namespace "
+                    f"{record.namespace!r} is {record.dtype}{list(record.shape)} ({nbytes} bytes) "
+                    f"but stores {record.layout.nbytes} bytes; run `infinity verify`")
+            copy = DiskCopy(record.layout, indexed=True)
+            version = catalog.install(key, record.dtype, record.shape, nbytes, cpu=None,
+                                      dirty=False, nvme=copy)
+            self._indexed[key] = copy
+            self._index_issued[key] = version.stamp
+        return len(records)
+
+    # --- streams' I/O ---------------------------------------------------------------------
+
+    def read_part(self, version: Version, piece: CpuSlice, *, offset_bytes: int, nbytes: int,
+                  done: Callback) -> None:
+        """Read bytes [offset, offset + nbytes) of a version's NVMe copy into a slice, verified."""
+        nvme, copy = self.nvme, version.nvme
+        assert nvme is not None and copy is not None
+        future = nvme.read_into(copy.layout, self.arena.address_of(piece),
+                                offset_bytes=offset_bytes, nbytes=nbytes)
+
+        def finished(f: IOFuture) -> None:
+            error = f.exception()
+            if isinstance(error, ChecksumError):
+                self.counters.checksum_errors += 1
+                error = ChecksumError(f"tensor {version.key[1]!r} in namespace "
+                                      f"{version.key[0]!r} is corrupted on NVMe, so it is not "
+                                      f"served: {error}")
+            else:
+                self.counters.stream_read_bytes += nbytes if error is None else 0
+            done(error)
+
+        future.add_done_callback(finished)
+
+    def note_stream_write(self, nbytes: int) -> None:
+        self.counters.stream_write_bytes += nbytes
+
+    # --- reporting and closing ------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        tiers: dict[str, object] = {}
+        nvme = self.nvme
+        if nvme is not None:
+            dirs = nvme.describe()
+            tiers["nvme"] = {
+                "dirs": dirs,
+                "capacity_bytes": sum(int(d["capacity_bytes"]) for d in dirs),
+                "used_bytes": sum(int(d["used_bytes"]) for d in dirs),
+                "bytes_read": sum(int(d["bytes_read"]) for d in dirs),
+                "bytes_written": sum(int(d["bytes_written"]) for d in dirs),
+                "durable_tensors": len(self._indexed),
+                "index": self.index.path if self.index is not None else None,
+                "engine": self.engine.backend if self.engine is not None else None,
+                "write_error": str(self.write_error) if self.write_error is not None else None,
+            }
+        tiers["resident_tensors"] = len(self.resident)
+        tiers["evictions_writing_back"] = self._evicting
+        tiers["write_behind_bytes"] = self._write_behind_bytes
+        return tiers
+
+    def close(self) -> None:
+        """Finish what is in flight (queued reads and writes are cancelled, their requests get
+        errors; index transactions already submitted complete), then release the store."""
+        self._closing = True
+        if self.engine is not None:
+            self.loop.remove_reader(self.engine.completion_fd)
+            self.engine.close()
+        if self.index is not None:
+            self.loop.remove_reader(self.index.completion_fd)
+            self.index.close()
+        if self.nvme is not None:
+            self.nvme.close()

@@ -1,0 +1,485 @@
+"""infinityd with an NVMe tier: eviction and reload, durability across stops and kill -9,
+corruption, streams of any size, and full stores. Real daemons on a real disk (/var/tmp)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+import infinity
+from conftest import RunningDaemon, short_tmp_root, start_daemon_process, wait_until
+from infinity.cli.main import main as infinity_main
+from infinity.errors import (ChecksumError, DiskFullError, InfinityError, InvalidRequestError,
+                             StoreFullError, TierFullError, TooLargeError)
+from infinity.protocol import wire
+
+MiB = 1024 * 1024
+SPAWN = multiprocessing.get_context("spawn")
+
+# A 16 MiB CPU tier in 4 MiB segments, 1 MiB stripes, 2 MiB stream chunks: small enough that a
+# few tensors of a few MiB exercise eviction, reload and streaming.
+NVME_SETTINGS: dict[str, Any] = {
+    "cpu.budget_bytes": 16 * MiB,
+    "cpu.segment_bytes": 4 * MiB,
+    "nvme.stripe_bytes": MiB,
+    "nvme.file_grow_bytes": 16 * MiB,
+    "nvme.stream_chunk_bytes": 2 * MiB,
+    "nvme.stream_depth": 3,
+    "nvme.write_behind_bytes": 4 * MiB,
+    "io.num_threads": 2,
+    "io.queue_depth": 8,
+}
+
+
+class Store:
+    """One store directory and runtime folder; daemons are started on it one after another."""
+
+    def __init__(self, root: str, directory: str) -> None:
+        self.root = root
+        self.dir = directory
+        self.daemons: list[RunningDaemon] = []
+
+    def start(self, **overrides: Any) -> RunningDaemon:
+        daemon = start_daemon_process(self.root, **{"nvme.dirs": [self.dir], **NVME_SETTINGS,
+                                                    **overrides})
+        self.daemons.append(daemon)
+        return daemon
+
+    def index_layout(self, name: str, namespace: str = "default") -> dict[str, Any]:
+        """A flushed tensor's layout as the index holds it (read with plain sqlite3)."""
+        db = sqlite3.connect(os.path.join(self.dir, "infinity-index.sqlite"))
+        try:
+            (layout,) = db.execute("SELECT layout FROM tensors WHERE namespace = ? AND name = ?",
+                                   (namespace, name)).fetchone()
+        finally:
+            db.close()
+        return dict(json.loads(layout))
+
+    def corrupt(self, name: str, at: int) -> None:
+        """Flip one byte of a flushed tensor on disk, `at` bytes into its first extent."""
+        _, offset, _ = self.index_layout(name)["extents"][0]
+        with open(os.path.join(self.dir, "infinity-extents.dat"), "r+b") as f:
+            f.seek(offset + at)
+            byte = f.read(1)
+            f.seek(offset + at)
+            f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def _store(directory: str | None) -> Iterator[Store]:
+    root = short_tmp_root()
+    if directory is None:
+        directory = os.path.join(root, "nvme")
+        os.mkdir(directory)
+    store = Store(root, directory)
+    try:
+        yield store
+    finally:
+        for daemon in store.daemons:
+            daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    yield from _store(None)
+
+
+@pytest.fixture
+def tiny_store(tiny_tmpfs_dir: str) -> Iterator[Store]:
+    yield from _store(tiny_tmpfs_dir)
+
+
+def pattern(seed: int, nbytes: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def tier_counters(client: Any) -> dict[str, int]:
+    return dict(client.stats()["counters"]["tiers"])
+
+
+def tier_of(client: Any, name: str) -> str:
+    (info,) = [i for i in client.list() if i.name == name]
+    return str(info.tier)
+
+
+def push_out(client: Any, nbytes: int = 16 * MiB) -> None:
+    """Write enough other tensors that everything older leaves the 16 MiB CPU tier."""
+    for i in range(nbytes // (2 * MiB)):
+        client.put(f"filler{i}", pattern(1000 + i, 2 * MiB))
+
+
+# --- eviction and reload ---------------------------------------------------------------------
+
+def test_a_cpu_tier_a_quarter_of_the_data_forces_eviction_and_reload_bit_exactly(
+        store: Store) -> None:
+    daemon = store.start()
+    sizes = [4 * MiB - 4096 * i - 7 * i for i in range(16)]  # 64 MiB against a 16 MiB tier
+    values = {f"t{i}": pattern(i, n) for i, n in enumerate(sizes)}
+    values["t3"] = values["t3"][:4 * 1001 * 1000].view(torch.float32).reshape(1001, 1000)
+    with daemon.connect() as client:
+        for name, value in values.items():
+            client.put(name, value)
+        for name in [*reversed(values), *values]:
+            with client.get(name) as view:
+                assert view.dtype == values[name].dtype and view.shape == values[name].shape
+                assert same_bytes(view, values[name]), name
+        counters = tier_counters(client)
+        assert counters["evictions"] >= 16 and counters["writebacks"] >= 12
+        assert counters["reloads"] >= 16 and counters["checksum_errors"] == 0
+        (me,) = client.stats()["clients"]
+        assert me["load_bytes"] == counters["reload_bytes"] > 0
+
+
+def test_gets_of_one_non_resident_tensor_share_one_read(store: Store) -> None:
+    daemon = store.start()
+    value = pattern(1, 3 * MiB + 5)
+    with daemon.connect() as client:
+        client.put("x", value)
+        push_out(client)
+        assert tier_of(client, "x") == "nvme"
+        before = tier_counters(client)
+        with client.get_many(["x", "x"]) as (first, second):
+            assert same_bytes(first, value) and first.data_ptr() == second.data_ptr()
+        after = tier_counters(client)
+        assert after["reloads"] == before["reloads"] + 1
+        assert after["load_waits"] == before["load_waits"] + 1
+
+
+def test_leased_tensors_are_never_evicted(store: Store) -> None:
+    daemon = store.start()
+    value = pattern(2, 3 * MiB)
+    with daemon.connect() as client:
+        client.put("held", value)
+        with client.get("held") as view:
+            push_out(client, 32 * MiB)
+            assert tier_of(client, "held") == "cpu"  # neither written back nor evicted
+            assert same_bytes(view, value)
+
+
+def test_a_tier_full_of_leased_tensors_is_tier_full_and_keeps_serving(store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put_many({f"l{i}": pattern(i, 4 * MiB - 4096) for i in range(4)})
+        with client.get_many([f"l{i}" for i in range(4)]):
+            with pytest.raises(TierFullError, match="leased"):
+                client.put("more", pattern(9, 2 * MiB))
+        client.put("more", pattern(9, 2 * MiB))  # released: they can go now
+
+
+def test_a_tensor_written_in_place_is_written_back_and_reloads_with_the_new_bytes(
+        store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put("w", torch.zeros(MiB, dtype=torch.int32))
+        push_out(client)  # written back once, as zeros
+        with client.get("w", exclusive=True) as view:  # loaded, then written in place
+            view.fill_(7)
+        push_out(client)
+        assert tier_of(client, "w") == "nvme"
+        with client.get("w") as view:
+            assert bool((view == 7).all())
+
+
+def test_prefetch_loads_a_non_resident_tensor_before_it_is_asked_for(store: Store) -> None:
+    daemon = store.start()
+    value = pattern(3, 2 * MiB)
+    with daemon.connect() as client:
+        client.put("p", value)
+        push_out(client)
+        reloads = tier_counters(client)["reloads"]
+        client.prefetch("p")
+        wait_until(lambda: tier_of(client, "p") != "nvme", timeout_s=10, what="the prefetch")
+        with client.get("p") as view:
+            assert same_bytes(view, value)
+        assert tier_counters(client)["reloads"] == reloads + 1
+
+
+# --- durability ----------------------------------------------------------------------------------
+
+def test_stop_and_restart_keep_every_flushed_tensor(store: Store) -> None:
+    daemon = store.start()
+    values = {"a": pattern(1, 3 * MiB + 1), "b": pattern(2, 5 * MiB), "c": pattern(3, 1),
+              "empty": torch.zeros(0, 3)}
+    with daemon.connect() as client:
+        client.put("a", values["a"], durable=True)
+        client.put_many({k: values[k] for k in ("b", "c", "empty")})
+        assert client.flush_store() == {"tensors": 4, "bytes": 5 * MiB + 3 * MiB + 2}
+        client.put("scratch", pattern(4, 100))  # never flushed
+    daemon.stop()
+    daemon = store.start()
+    with daemon.connect() as client:
+        assert {i.name: i.tier for i in client.list()} == {k: "nvme" for k in values}
+        for name, value in values.items():
+            with client.get(name) as view:
+                assert view.shape == value.shape and same_bytes(view, value), name
+
+
+def test_kill_9_after_acknowledged_flushes_loses_none_of_them(store: Store) -> None:
+    daemon = store.start()
+    values = {f"k{i}": pattern(10 + i, MiB * (i + 1) + i) for i in range(6)}
+    with daemon.connect() as client:
+        for name, value in values.items():
+            client.put(name, value, durable=True)
+        daemon.process.kill()
+        daemon.process.wait()
+    daemon = store.start()
+    with daemon.connect() as client:
+        for name, value in values.items():
+            with client.get(name) as view:
+                assert same_bytes(view, value), name
+
+
+def _rewrite(config: Any, conn: Connection) -> None:
+    """Rewrite "hot" durably, over and over, from the k the parent sends; report each commit
+    before it is sent and each acknowledgement; when the daemon dies, say so and wait."""
+    while True:
+        k = conn.recv()
+        try:
+            with infinity.connect(config=config, name="rewriter") as client:
+                while True:
+                    views = client.reserve({"hot": (torch.int32, (3 * MiB,))})
+                    views["hot"].fill_(k)
+                    conn.send(("committing", k))
+                    client.commit("hot", durable=True)
+                    conn.send(("acked", k))
+                    k += 1
+        except InfinityError:
+            conn.send(("daemon gone", k))
+
+
+def test_a_tensor_being_rewritten_at_kill_9_reads_back_old_or_new_never_a_mix(
+        store: Store) -> None:
+    daemon = store.start()
+    parent, child = SPAWN.Pipe()
+    writer = SPAWN.Process(target=_rewrite, args=(daemon.config, child), daemon=True)
+    writer.start()
+    child.close()  # so that recv() fails rather than hangs if the writer dies
+    try:
+        # The kill lands as the fourth rewrite's commit is sent, then a little later each
+        # round, to fall at different points of write, fdatasync and index commit.
+        for round_, delay_s in enumerate((0.0, 0.002, 0.004, 0.006)):
+            first = 1000 * round_
+            parent.send(first)
+            acked = first - 1
+            while True:
+                event, k = parent.recv()
+                if event == "acked":
+                    acked = k
+                elif k == first + 3:
+                    if delay_s:
+                        time.sleep(delay_s)  # places the kill; there is no event to wait for
+                    daemon.process.kill()
+                    daemon.process.wait()
+                    break
+            while True:  # an ack that raced the kill counts as acknowledged
+                event, k = parent.recv()
+                if event == "acked":
+                    acked = k
+                if event == "daemon gone":
+                    break
+            daemon = store.start()
+            with daemon.connect() as client:
+                with client.get("hot") as view:
+                    value = int(view[0])
+                    assert value in (acked, acked + 1), (value, acked)
+                    assert bool((view == value).all()), "torn: a mix of two versions"
+    finally:
+        writer.kill()
+        writer.join()
+
+
+def test_deleting_a_flushed_tensor_removes_it_from_the_index(store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put_many({"gone": pattern(1, MiB), "kept": pattern(2, MiB)}, durable=True)
+        client.delete("gone")
+    daemon.process.kill()  # the delete was acknowledged: it must hold without a clean stop
+    daemon.process.wait()
+    daemon = store.start()
+    with daemon.connect() as client:
+        assert [i.name for i in client.list()] == ["kept"]
+
+
+def test_a_delete_served_while_its_flush_is_writing_still_wins_after_a_restart(
+        store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        views = client.reserve({"racy": (torch.uint8, (6 * MiB,))})
+        views["racy"].fill_(1)
+        # Pipelined on one channel: the delete is served while the flush writes the bytes.
+        channel = client._channel()
+        ref = (wire.TensorRef("default", "racy"),)
+        commit_id, delete_id = next(client._request_ids), next(client._request_ids)
+        channel.send(commit_id, wire.CommitDurable(ref), expect_reply=True)
+        channel.send(delete_id, wire.Delete(ref), expect_reply=True)
+        assert channel.wait(delete_id, what="delete").results == (None,)
+        assert channel.wait(commit_id, what="commit").failure is None
+    daemon.process.kill()
+    daemon.process.wait()
+    daemon = store.start()
+    with daemon.connect() as client:
+        assert not client.exists("racy")
+
+
+def test_a_daemon_without_nvme_refuses_durable_writes_with_advice(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="nvme.dirs"):
+        client.put("x", torch.ones(3), durable=True)
+    assert not client.exists("x")
+    assert client.stats()["catalog"]["num_reservations"] == 0
+    with pytest.raises(InvalidRequestError, match="nvme.dirs"):
+        client.flush_store()
+
+
+# --- corruption ---------------------------------------------------------------------------------
+
+def test_a_corrupted_block_is_reported_as_corruption_not_served(store: Store) -> None:
+    daemon = store.start()
+    good, bad = pattern(1, 3 * MiB), pattern(2, 5 * MiB)
+    with daemon.connect() as client:
+        client.put_many({"good": good, "bad": bad}, durable=True)
+    daemon.stop()
+    store.corrupt("bad", at=MiB + 123)
+    daemon = store.start()
+    with daemon.connect() as client:
+        with pytest.raises(ChecksumError, match="'bad'.*corrupted"):
+            client.get("bad")
+        with pytest.raises(ChecksumError, match="'bad'"):
+            client.read_into("bad", torch.empty_like(bad))
+        with client.get("good") as view:
+            assert same_bytes(view, good)
+        assert tier_counters(client)["checksum_errors"] == 2
+
+
+def test_infinity_verify_names_corrupted_tensors_and_exits_1(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put_many({"fine": pattern(1, 2 * MiB), "broken": pattern(2, 3 * MiB + 7)},
+                        durable=True)
+    flags = ["--config", os.path.join(store.root, "settings.toml"), "--set",
+             f"nvme.dirs={store.dir}", "--set", "nvme.stripe_bytes=1048576"]
+    assert infinity_main(["verify", *flags]) == 2  # the daemon holds the store
+    assert "in use" in capsys.readouterr().err
+    daemon.stop()
+    assert infinity_main(["verify", *flags]) == 0
+    assert "2 tensor(s)" in capsys.readouterr().out
+    store.corrupt("broken", at=2 * MiB + 5)
+    assert infinity_main(["verify", *flags]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPTED default/broken" in out and "fine" not in out
+
+
+# --- any size -----------------------------------------------------------------------------------
+
+def test_read_into_and_write_from_move_a_tensor_larger_than_the_cpu_tier(store: Store) -> None:
+    daemon = store.start()
+    big = pattern(5, 40 * MiB + 12).view(torch.int16).reshape(2, -1)  # 2.5x the CPU tier
+    with daemon.connect() as client:
+        client.write_from("big", big, durable=True)
+        with pytest.raises(TooLargeError, match="read_into"):
+            client.get("big")
+        out = torch.empty_like(big)
+        client.read_into("big", out)
+        assert torch.equal(out, big)
+        assert client.stats()["tiers"]["cpu"]["used_bytes"] == 0  # staging slices returned
+        assert tier_counters(client)["stream_write_bytes"] == big.nbytes
+
+
+def test_read_into_and_write_from_of_small_tensors_go_through_the_cpu_tier(store: Store) -> None:
+    daemon = store.start()
+    value = torch.arange(1000, dtype=torch.float64)
+    with daemon.connect() as client:
+        version = client.write_from("small", value)
+        out = torch.empty_like(value)
+        assert client.read_into("small", out) == version
+        assert torch.equal(out, value) and tier_of(client, "small") == "cpu"
+
+
+def test_read_into_an_output_of_the_wrong_size_is_refused(store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.write_from("s", pattern(1, 5 * MiB))
+        with pytest.raises(InvalidRequestError, match="exactly"):
+            client.read_into("s", torch.empty(5 * MiB - 1, dtype=torch.uint8))
+        out = torch.empty(5 * MiB, dtype=torch.uint8)
+        client.read_into("s", out)  # the stream was closed: it works again
+        assert same_bytes(out, pattern(1, 5 * MiB))
+
+
+# --- full stores --------------------------------------------------------------------------------
+
+def test_a_full_store_is_store_full_and_deleting_frees_its_extents(store: Store) -> None:
+    daemon = store.start(**{"nvme.capacity_bytes_per_dir": 8 * MiB})
+    kept = pattern(1, 3 * MiB)
+    with daemon.connect() as client:
+        client.put("a", kept, durable=True)
+        client.put("b", pattern(2, 3 * MiB), durable=True)
+        with pytest.raises(StoreFullError, match="capacity_bytes_per_dir"):
+            client.put("c", pattern(3, 3 * MiB), durable=True)
+        with client.get("a") as view:  # nothing was lost, and the daemon serves
+            assert same_bytes(view, kept)
+        client.delete("b")
+        client.put("c", pattern(3, 3 * MiB), durable=True)
+
+
+def test_dirty_tensors_that_cannot_be_written_back_give_a_typed_error_not_a_loss(
+        store: Store) -> None:
+    daemon = store.start(**{"nvme.capacity_bytes_per_dir": 4 * MiB,
+                            "nvme.write_behind_bytes": 0})
+    values = {f"d{i}": pattern(i, 4 * MiB - 4096) for i in range(6)}
+    with daemon.connect() as client:
+        with pytest.raises(StoreFullError, match="cannot be written back"):
+            for name, value in values.items():
+                client.put(name, value)
+        stored = [i.name for i in client.list()]
+        assert len(stored) == 5  # the four of the tier and the one written back
+        client.delete(stored[-1])  # room again: everything else reads back whole
+        for name in stored[:-1]:
+            with client.get(name) as view:
+                assert same_bytes(view, values[name]), name
+
+
+def test_a_full_file_system_is_disk_full_and_the_daemon_keeps_serving(tiny_store: Store) -> None:
+    daemon = tiny_store.start()  # an 8 MiB tmpfs under a 64 GiB nvme.capacity_bytes_per_dir
+    first = pattern(0, 2 * MiB)
+    with daemon.connect() as client:
+        client.put("t0", first, durable=True)
+        with pytest.raises(DiskFullError, match="free space"):
+            for i in range(1, 8):
+                client.put(f"t{i}", pattern(i, 2 * MiB), durable=True)
+        with client.get("t0") as view:
+            assert same_bytes(view, first)
+        assert client.stats()["tiers"]["nvme"]["durable_tensors"] >= 1
+
+
+# --- the daemon process ------------------------------------------------------------------------
+
+def test_infinityd_with_an_nvme_tier_does_not_load_torch(store: Store) -> None:
+    daemon = store.start()
+    with open(f"/proc/{daemon.process.pid}/maps") as maps:
+        assert "libtorch" not in maps.read()
+
+
+def test_a_second_daemon_on_the_same_store_is_refused(store: Store) -> None:
+    store.start()
+    other = short_tmp_root()
+    try:
+        with pytest.raises(AssertionError, match="in use by another process"):
+            start_daemon_process(other, **{"nvme.dirs": [store.dir], **NVME_SETTINGS})
+    finally:
+        shutil.rmtree(other, ignore_errors=True)

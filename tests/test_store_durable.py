@@ -1,0 +1,179 @@
+"""DurableIndex on its own: publish / remove / load, its completion fd, its lock, its failures."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import sqlite3
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from infinity.config import MiB, NvmeConfig
+from infinity.errors import IOEngineError, StoreDirectoryError
+from infinity.io import IOEngine
+from infinity.store.durable import INDEX_FILE_NAME, DurableIndex, DurableRecord
+from infinity.store.nvme import NvmeTier, TensorLayout
+
+
+@pytest.fixture
+def engine() -> Iterator[IOEngine]:
+    with IOEngine(num_threads=1, queue_depth=8) as eng:
+        yield eng
+
+
+def make_tier(engine: IOEngine, *dirs: str) -> NvmeTier:
+    return NvmeTier(NvmeConfig(dirs=tuple(dirs), stripe_bytes=MiB, file_grow_bytes=4 * MiB), engine)
+
+
+def write(tier: NvmeTier, seed: int, nbytes: int = 2 * MiB + 5) -> tuple[torch.Tensor, TensorLayout]:
+    value = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed))
+    return value, tier.write_tensor(value).result()
+
+
+def record(name: str, layout: TensorLayout) -> DurableRecord:
+    return DurableRecord("ns", name, "uint8", (layout.nbytes,), layout)
+
+
+def wait_done(index: DurableIndex, future: Future[None]) -> None:
+    """Wait on the completion fd the way the daemon's loop does, and poll."""
+    while not future.done():
+        select.select([index.completion_fd], [], [], 10)
+        index.poll()
+    index.poll()
+
+
+def test_published_tensors_are_loaded_by_the_next_index_and_their_extents_kept(
+        engine: IOEngine, disk_tmp: str) -> None:
+    tier = make_tier(engine, disk_tmp)
+    value, layout = write(tier, 1)
+    index = DurableIndex(tier)
+    wait_done(index, index.publish([record("a", layout)]))
+    index.close()
+    tier.close()
+
+    reopened = make_tier(engine, disk_tmp)
+    index = DurableIndex(reopened)
+    (loaded,) = index.load()
+    assert (loaded.namespace, loaded.name, loaded.layout) == ("ns", "a", layout)
+    out = torch.empty_like(value)
+    reopened.read_tensor(loaded.layout, out)
+    assert torch.equal(out, value)
+    # Adopted: fresh space never overlaps what the index points at.
+    fresh = reopened.allocate(MiB)
+    assert fresh.extents[0][1].offset_bytes >= layout.extents[0][1].end_bytes
+    index.close()
+
+
+def test_on_done_runs_in_poll_on_the_callers_thread_after_the_commit(
+        engine: IOEngine, disk_tmp: str) -> None:
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, layout = write(tier, 2)
+    seen: list[tuple[int, int]] = []
+
+    def on_done(future: Future[None]) -> None:
+        rows = sqlite3.connect(index.path).execute("SELECT COUNT(*) FROM tensors").fetchone()[0]
+        seen.append((threading.get_ident(), rows))
+
+    future = index.publish([record("a", layout)], on_done=on_done)
+    readable, _, _ = select.select([index.completion_fd], [], [], 10)
+    assert readable and not seen  # signalled, but nothing runs until poll
+    assert index.poll() == 1
+    assert seen == [(threading.get_ident(), 1)]  # here, and the row was committed already
+    assert future.exception() is None
+    index.close()
+
+
+def test_removed_names_are_gone_after_reopening(engine: IOEngine, disk_tmp: str) -> None:
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, first = write(tier, 3)
+    _, second = write(tier, 4)
+    wait_done(index, index.publish([record("a", first), record("b", second)]))
+    wait_done(index, index.remove([("ns", "a")]))
+    index.close()
+    index = DurableIndex(make_tier(engine, disk_tmp))
+    assert [r.name for r in index.load()] == ["b"]
+    index.close()
+
+
+def test_jobs_commit_in_submission_order(engine: IOEngine, disk_tmp: str) -> None:
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, old = write(tier, 5)
+    _, new = write(tier, 6)
+    index.publish([record("a", old)])
+    index.publish([record("a", new)])
+    last = index.remove([("ns", "b")])
+    wait_done(index, last)
+    index.close()
+    index = DurableIndex(make_tier(engine, disk_tmp))
+    assert [r.layout for r in index.load()] == [new]
+    index.close()
+
+
+def test_a_second_index_on_the_same_store_is_refused_until_the_first_closes(
+        engine: IOEngine, disk_tmp: str) -> None:
+    first = DurableIndex(make_tier(engine, disk_tmp))
+    with pytest.raises(StoreDirectoryError, match="in use by another process"):
+        DurableIndex(make_tier(engine, disk_tmp))
+    first.close()
+    first.close()  # idempotent
+    DurableIndex(make_tier(engine, disk_tmp)).close()
+
+
+def test_an_index_written_for_other_directories_is_refused(engine: IOEngine, disk_tmp: str) -> None:
+    a, b = os.path.join(disk_tmp, "a"), os.path.join(disk_tmp, "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    DurableIndex(make_tier(engine, a, b)).close()
+    with pytest.raises(StoreDirectoryError, match="restore the original nvme.dirs"):
+        DurableIndex(make_tier(engine, a))
+
+
+def test_an_index_of_another_schema_is_refused(engine: IOEngine, disk_tmp: str) -> None:
+    DurableIndex(make_tier(engine, disk_tmp)).close()
+    db = sqlite3.connect(os.path.join(disk_tmp, INDEX_FILE_NAME), isolation_level=None)
+    db.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+    db.close()
+    with pytest.raises(StoreDirectoryError, match="schema"):
+        DurableIndex(make_tier(engine, disk_tmp))
+
+
+def test_a_failing_fdatasync_fails_the_publish_typed_and_commits_nothing(
+        engine: IOEngine, disk_tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, layout = write(tier, 7)
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+    future = index.publish([record("a", layout)])
+    wait_done(index, future)
+    assert isinstance(future.exception(), IOEngineError)
+    monkeypatch.undo()
+    index.close()
+    index = DurableIndex(make_tier(engine, disk_tmp))
+    assert index.load() == []
+    index.close()
+
+
+def test_a_damaged_entry_is_a_typed_error_naming_the_tensor(engine: IOEngine, disk_tmp: str) -> None:
+    DurableIndex(make_tier(engine, disk_tmp)).close()
+    db = sqlite3.connect(os.path.join(disk_tmp, INDEX_FILE_NAME), isolation_level=None)
+    db.execute("INSERT INTO tensors VALUES ('ns', 'broken', 'uint8', '[4]', ?)",
+               (json.dumps({"nbytes": 4}),))
+    db.close()
+    index = DurableIndex(make_tier(engine, disk_tmp))
+    with pytest.raises(StoreDirectoryError, match="'broken'"):
+        index.load()
+    index.close()
