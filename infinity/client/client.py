@@ -392,7 +392,9 @@ class Client:
         views = self.reserve(tensors, namespace=namespace)
         try:
             for name, tensor in tensors.items():
-                views[name].copy_(tensor)
+                # Streaming stores: this process never reads the slice back, so there is no
+                # point loading its old contents into the cache first (what copy_ does).
+                copy_into(views[name], tensor)
         except BaseException:
             self.abort(list(views), namespace=namespace)
             raise
