@@ -118,9 +118,15 @@ def tier_of(client: Any, name: str) -> str:
 
 
 def push_out(client: Any, nbytes: int = 16 * MiB) -> None:
-    """Write enough other tensors that everything older leaves the 16 MiB CPU tier."""
+    """Write enough other tensors that everything older leaves the 16 MiB CPU tier.
+
+    A dirty victim leaves only once its write-back ends, and a put does not wait for that: it
+    may get its room from a filler whose write-behind finished first. So wait until no chosen
+    victim is still being written back (the daemon exposes that only through `stats`)."""
     for i in range(nbytes // (2 * MiB)):
         client.put(f"filler{i}", pattern(1000 + i, 2 * MiB))
+    wait_until(lambda: client.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
+               timeout_s=10, what="the evictions' write-backs to end")
 
 
 # --- eviction and reload ---------------------------------------------------------------------
