@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import select
 import shutil
 import signal
 import statistics
@@ -41,8 +40,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from infinity.config import InfinityConfig, load_config
-from infinity.protocol.paths import child_environment
+from bench_launch import start_daemon
+from infinity.config import InfinityConfig
 
 MiB = 1024 * 1024
 SPAWN = multiprocessing.get_context("spawn")
@@ -107,32 +106,12 @@ class Echo:
 # --- the daemon ---------------------------------------------------------------------------------
 
 def _start_daemon(folder: str) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
-    settings = {
+    return start_daemon(folder, {
         "daemon.runtime_dir": os.path.join(folder, "rt"),
         "cpu.budget_bytes": 1024 * MiB,
         "cpu.segment_bytes": 256 * MiB,
         "daemon.log_level": "warning",
-    }
-    settings_file = os.path.join(folder, "bench.toml")
-    with open(settings_file, "w") as f:
-        f.write("# bench_daemon settings come from --set flags\n")
-    config = load_config(settings_file, env={}, overrides=settings)
-    read_end, write_end = os.pipe()
-    env = {k: v for k, v in child_environment().items() if not k.startswith("INFINITY_")}
-    with open(os.path.join(folder, "infinityd.log"), "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),
-             "--config", settings_file,
-             *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")]],
-            stdout=log, stderr=log, pass_fds=(write_end,), env=env)
-    os.close(write_end)
-    ready, _, _ = select.select([read_end], [], [], 60)
-    message = os.read(read_end, 64) if ready else b""
-    os.close(read_end)
-    if message != b"ready\n":
-        process.kill()
-        raise SystemExit(f"infinityd did not start; see {folder}/infinityd.log")
-    return process, config
+    })
 
 
 def _names(count: int) -> list[str]:

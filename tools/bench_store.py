@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import shutil
 import signal
 import statistics
@@ -45,9 +44,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from infinity.config import GiB, InfinityConfig, MiB, load_config
+from bench_launch import start_daemon
+from infinity.config import GiB, InfinityConfig, MiB
 from infinity.io import IOEngine, IOOp, aligned_empty
-from infinity.protocol.paths import child_environment
 
 console = Console(stderr=True)
 PAGE = 4096
@@ -76,28 +75,6 @@ def _bytes(text: str) -> int:
 
 # --- the daemon ------------------------------------------------------------------------------
 
-def start_daemon(folder: str, settings: dict[str, Any]) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
-    settings_file = os.path.join(folder, "bench.toml")
-    with open(settings_file, "w") as f:
-        f.write("# bench_store settings come from --set flags\n")
-    config = load_config(settings_file, env={}, overrides=settings)
-    flags = [a for k, v in settings.items()
-             for a in ("--set", f"{k}={','.join(v) if isinstance(v, list) else v}")]
-    read_end, write_end = os.pipe()
-    env = {k: v for k, v in child_environment().items() if not k.startswith("INFINITY_")}
-    with open(os.path.join(folder, "infinityd.log"), "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),
-             "--config", settings_file, *flags],
-            stdout=log, stderr=log, pass_fds=(write_end,), env=env)
-    os.close(write_end)
-    ready, _, _ = select.select([read_end], [], [], 60)
-    message = os.read(read_end, 64) if ready else b""
-    os.close(read_end)
-    if message != b"ready\n":
-        process.kill()
-        raise SystemExit(f"infinityd did not start; see {folder}/infinityd.log")
-    return process, config
 
 
 def fill(buf: torch.Tensor, key: int) -> None:
