@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,18 @@ def test_doctor_fails_for_a_missing_directory(disk_tmp: str) -> None:
 
 
 def test_doctor_flags_a_cpu_tier_that_cannot_be_locked(disk_tmp: str) -> None:
-    result = infinity_cli("doctor", "--json", "--set", "cpu.lock=true", "--set",
-                          f"cpu.budget_bytes={64 << 40}", disk_tmp)
+    def low_memlock() -> None:  # 8 MiB, whatever the caller's limit (root may have none)
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "infinity.cli.main", "doctor", "--json", "--set", "cpu.lock=true",
+         "--set", f"cpu.budget_bytes={1 << 30}", disk_tmp],
+        capture_output=True, text=True, timeout=240, preexec_fn=low_memlock,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
     found = findings_by_area(result.stdout)
-    assert found["memory"]["status"] == "fail"
+    assert found["memory"]["status"] == "ok"  # 1 GiB fits: only the lock limit is at fault
+    assert found["locked memory"]["status"] == "fail"
+    assert "LimitMEMLOCK=infinity" in found["locked memory"]["advice"]
     assert result.returncode == 1
 
 

@@ -75,8 +75,12 @@ def test_many_writes_and_reads_in_flight_at_once(engine, disk_tmp) -> None:
 
 def test_padding_to_4k_is_zero_on_disk(engine, disk_tmp) -> None:
     tier = make_tier(engine, disk_tmp)
+    # First fill a page with 0xFF and free it, so the padding cannot be zero by accident.
+    old = tier.write_tensor(torch.full((4096,), 0xFF, dtype=torch.uint8)).result()
+    tier.free(old)
     layout = tier.write_tensor(torch.full((5,), 0xAB, dtype=torch.uint8)).result()
     (d, extent), = layout.extents
+    assert extent.offset_bytes == old.extents[0][1].offset_bytes  # the freed page was reused
     with open(os.path.join(disk_tmp, EXTENT_FILE_NAME), "rb") as f:
         f.seek(extent.offset_bytes)
         block = f.read(4096)
@@ -176,3 +180,16 @@ def test_full_file_system_is_a_typed_error(engine, tiny_tmpfs_dir) -> None:
     out = torch.empty(3 * MiB, dtype=torch.uint8)
     tier.read_tensor(kept, out)
     assert bitwise_equal(random_tensor(3 * MiB, torch.uint8, seed=10), out)
+
+
+def test_a_write_that_times_out_keeps_its_extents(engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, file_grow_bytes=128 * MiB)
+    src = random_tensor(64 * MiB, torch.uint8, seed=12)
+    write = tier.write_tensor(src)
+    with pytest.raises(TimeoutError):
+        write.result(timeout_s=0)  # 64 MiB to disk cannot be done at once
+    other = tier.allocate(64 * MiB)  # must not be handed the extents still being written
+    assert other.extents[0][1].offset_bytes >= write.result().extents[0][1].end_bytes
+    out = torch.empty_like(src)
+    tier.read_tensor(write.result(), out)
+    assert bitwise_equal(src, out)

@@ -173,7 +173,7 @@ class DurableIndex:
                 record = DurableRecord(namespace, name, dtype, tuple(json.loads(shape)),
                                        TensorLayout.from_wire(json.loads(layout)))
                 self.tier.adopt(record.layout)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
                 raise StoreDirectoryError(
                     f"the store index {self.path} is damaged at tensor {name!r} in namespace "
                     f"{namespace!r} ({exc}); run `infinity verify` and restore the store from a "

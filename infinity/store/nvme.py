@@ -280,6 +280,8 @@ class NvmeWrite:
         if self._final is None:
             try:
                 self.future.result(timeout_s)
+            except TimeoutError:
+                raise  # still in flight: its extents are not free yet
             except BaseException:
                 self._on_failure()
                 raise
@@ -422,7 +424,9 @@ class NvmeTier:
                         crc_address=_address_of(crcs), first_block=0)
         on_failure: Callable[[], None] = (lambda: self.free(layout)) if fresh else (lambda: None)
         try:
-            future = self.engine.submit(ops)
+            # The future holds the buffers too, so a caller that drops the NvmeWrite cannot
+            # free them under the I/O.
+            future = self.engine.submit(ops, keepalive=(*keepalive, crcs))
         except BaseException:
             on_failure()
             raise
