@@ -489,3 +489,21 @@ def test_a_second_daemon_on_the_same_store_is_refused(store: Store) -> None:
             start_daemon_process(other, **{"nvme.dirs": [store.dir], **NVME_SETTINGS})
     finally:
         shutil.rmtree(other, ignore_errors=True)
+
+
+def test_flushed_padding_is_zero_even_in_a_reused_slice(store: Store) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put("full", torch.full((4096,), 0xFF, dtype=torch.uint8))
+        with client.get("full") as view:
+            full_address = view.data_ptr()
+        client.flush()  # the release reaches the daemon before the delete
+        client.delete("full")  # its slice (all 0xFF) goes back to the CPU tier
+        client.put("small", torch.full((5,), 0xAB, dtype=torch.uint8), durable=True)
+        with client.get("small") as view:
+            assert view.data_ptr() == full_address  # the same slice, so its padding was 0xFF
+        _, offset, _ = store.index_layout("small")["extents"][0]
+    with open(os.path.join(store.dir, "infinity-extents.dat"), "rb") as f:
+        f.seek(offset)
+        page = f.read(4096)
+    assert page[:5] == b"\xab" * 5 and page[5:] == bytes(4091)
