@@ -477,6 +477,18 @@ def test_a_full_file_system_is_disk_full_and_the_daemon_keeps_serving(tiny_store
 
 def test_infinityd_with_an_nvme_tier_does_not_load_torch(store: Store) -> None:
     daemon = store.start()
+    with daemon.connect() as client:  # take every NVMe path once: write-back, reload, flush, streams
+        value = pattern(31, 3 * MiB + 5)
+        client.put("x", value)
+        push_out(client)
+        with client.get("x") as view:
+            assert same_bytes(view, value)
+        client.put("d", value, durable=True)
+        big = pattern(32, 20 * MiB)
+        client.write_from("big", big)
+        out = torch.empty_like(big)
+        client.read_into("big", out)
+        assert torch.equal(out, big)
     with open(f"/proc/{daemon.process.pid}/maps") as maps:
         assert "libtorch" not in maps.read()
 
