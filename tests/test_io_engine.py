@@ -18,6 +18,7 @@ import torch
 from infinity.config import IOConfig
 from infinity.errors import AlignmentError, ChecksumError, DiskFullError, IOEngineError
 from infinity.io import CRC_BLOCK_BYTES, IOEngine, IOFuture, IOOp, aligned_empty, crc_count, probe_aio, probe_io_uring
+from conftest import wait_until_worker_blocks_in_io
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -89,29 +90,6 @@ def pipe_engine() -> Iterator[tuple[IOEngine, int, int]]:
 
 def pipe_read(r: int, buf: torch.Tensor) -> IOOp:
     return IOOp.read(fd=r, address=buf.data_ptr(), nbytes=4096, offset=0)
-
-
-def wait_until_worker_blocks_in_io() -> None:
-    """Wait until the engine's worker thread sleeps in io_uring_enter / io_submit / io_getevents.
-
-    A pipe read in flight is not observable from outside, but the worker's current system call
-    is (/proc/self/task/TID/syscall): once it is in one of those, it has taken the op.
-    """
-    io_calls = {"426", "209", "208"}  # x86-64: io_uring_enter, io_submit, io_getevents
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/comm") as f:
-                    if not f.read().startswith(("inf-uring", "inf-aio")):
-                        continue
-                with open(f"/proc/self/task/{task}/syscall") as f:
-                    if f.read().split()[0] in io_calls:
-                        return
-            except (FileNotFoundError, IndexError, PermissionError):
-                continue
-        time.sleep(0.001)
-    raise AssertionError("the engine's worker never started the pipe read")
 
 
 # --- construction ---------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Iterator
 import pytest
 
 from infinity import _native
+from conftest import wait_until_worker_blocks_in_io
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -81,29 +82,6 @@ def pipe_engine() -> Iterator[tuple[_native.Engine, int, int]]:
         eng.close()
         os.close(r)
         os.close(w)
-
-
-def wait_until_worker_blocks_in_io() -> None:
-    """Wait until the engine's worker thread sleeps in io_uring_enter / io_submit / io_getevents.
-
-    A pipe read in flight is not observable from outside, but the worker's current system call
-    is (/proc/self/task/TID/syscall): once it is in one of those, it has taken the op.
-    """
-    io_calls = {"426", "209", "208"}  # x86-64: io_uring_enter, io_submit, io_getevents
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/comm") as f:
-                    if not f.read().startswith(("inf-uring", "inf-aio")):
-                        continue
-                with open(f"/proc/self/task/{task}/syscall") as f:
-                    if f.read().split()[0] in io_calls:
-                        return
-            except (FileNotFoundError, IndexError, PermissionError):
-                continue
-        time.sleep(0.001)
-    raise AssertionError("the engine's worker never started the pipe read")
 
 
 # --- round trips ------------------------------------------------------------

@@ -30,50 +30,16 @@ class IOOp:
     crc_block_bytes: int = CRC_BLOCK_BYTES
 
     @classmethod
-    def read(
-        cls,
-        *,
-        fd: int,
-        address: int,
-        nbytes: int,
-        offset: int,
-        direct: bool = True,
-        crc_address: int = 0,
-        crc_block_bytes: int = CRC_BLOCK_BYTES,
-    ) -> IOOp:
-        return cls(
-            is_write=False,
-            fd=fd,
-            address=address,
-            nbytes=nbytes,
-            offset=offset,
-            direct=direct,
-            crc_address=crc_address,
-            crc_block_bytes=crc_block_bytes,
-        )
+    def read(cls, *, fd: int, address: int, nbytes: int, offset: int, direct: bool = True,
+             crc_address: int = 0, crc_block_bytes: int = CRC_BLOCK_BYTES) -> IOOp:
+        return cls(is_write=False, fd=fd, address=address, nbytes=nbytes, offset=offset, direct=direct,
+                   crc_address=crc_address, crc_block_bytes=crc_block_bytes)
 
     @classmethod
-    def write(
-        cls,
-        *,
-        fd: int,
-        address: int,
-        nbytes: int,
-        offset: int,
-        direct: bool = True,
-        crc_address: int = 0,
-        crc_block_bytes: int = CRC_BLOCK_BYTES,
-    ) -> IOOp:
-        return cls(
-            is_write=True,
-            fd=fd,
-            address=address,
-            nbytes=nbytes,
-            offset=offset,
-            direct=direct,
-            crc_address=crc_address,
-            crc_block_bytes=crc_block_bytes,
-        )
+    def write(cls, *, fd: int, address: int, nbytes: int, offset: int, direct: bool = True,
+              crc_address: int = 0, crc_block_bytes: int = CRC_BLOCK_BYTES) -> IOOp:
+        return cls(is_write=True, fd=fd, address=address, nbytes=nbytes, offset=offset, direct=direct,
+                   crc_address=crc_address, crc_block_bytes=crc_block_bytes)
 
     def crc_count(self) -> int:
         """How many uint32 checksums this op reads or writes at crc_address."""
