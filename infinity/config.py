@@ -17,6 +17,7 @@ when it exists; with none of them the built-in defaults apply.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -158,6 +159,91 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """Trace-driven prefetch, next-use eviction and fair sharing (`infinity.daemon.scheduler`)."""
+
+    # Off: no trace-driven prefetch (eviction still follows next use, accounting still runs);
+    # what `tools/bench_overlap.py` compares against.
+    prefetch: bool = True
+    # The prefetch lookahead, in bytes, is the read bandwidth (this stream's share)
+    # times the expected compute time of the next `lookahead_accesses` accesses,
+    # and at least `lookahead_min_s` of disk time (it covers latency when the
+    # client's accesses come in bursts).
+    lookahead_accesses: int = 4
+    lookahead_min_s: float = 0.01
+    # The upcoming data a stream may hold in the tier (resident, in flight and
+    # planned), as a fraction of the tier, split evenly between prefetching streams.
+    lookahead_max_fraction: float = 0.5
+    # Prefetch bytes the engine may have in flight at once, split evenly between
+    # competing streams: a short engine queue keeps a newcomer or a demand miss
+    # from waiting behind another client's whole window.
+    prefetch_inflight_max_bytes: int = 64 * MiB
+    # Fair sharing: the bytes each competing stream may add to a plan per deficit
+    # round robin round, and how far (in bytes loaded) a stream may get ahead of
+    # the least served competing stream.
+    fair_quantum_bytes: int = 4 * MiB
+    # An access may match one of the next `divergence_window` trace entries
+    # (skipping the ones before it); this many unexpected accesses in a row, or a
+    # step ending with this many entries left, mean the order changed.
+    divergence_window: int = 4
+    # Read bandwidth: an EWMA over samples of bytes read per second of engine
+    # busy time. A sample closes when the engine goes idle after at least
+    # `bandwidth_sample_min_s` of busy time, or after `bandwidth_sample_max_s`
+    # of continuous busy time. The initial value stands until the first sample.
+    bandwidth_ewma_alpha: float = 0.25
+    bandwidth_sample_min_s: float = 0.005
+    bandwidth_sample_max_s: float = 0.1
+    initial_read_bandwidth_bytes_per_s: float = 1.0 * GiB
+    # How fast a trace's timing follows the steps that replay it.
+    trace_timing_ewma_alpha: float = 0.25
+    # A step with more accesses than this is not traced.
+    trace_max_entries: int = 1_000_000
+    # Between steps (and near a step's end) prefetch the start of the next step.
+    prefetch_across_steps: bool = True
+    # CPU-tier quotas per tensor namespace. TOML: an inline table
+    # `namespace_quota_bytes = { weights = 1073741824 }`; environment and flags:
+    # `weights=1073741824,optim=2147483648`.
+    namespace_quota_bytes: tuple[tuple[str, int], ...] = ()
+
+    def validate(self) -> None:
+        _require(1 <= self.lookahead_accesses <= 1_000_000,
+                 "scheduler.lookahead_accesses must be between 1 and 1000000")
+        _require(0 <= self.lookahead_min_s <= 60, "scheduler.lookahead_min_s must be between 0 and 60")
+        _require(0 < self.lookahead_max_fraction <= 1,
+                 "scheduler.lookahead_max_fraction must be above 0 and at most 1")
+        _require(self.prefetch_inflight_max_bytes > 0,
+                 "scheduler.prefetch_inflight_max_bytes must be positive")
+        _require(self.fair_quantum_bytes > 0, "scheduler.fair_quantum_bytes must be positive")
+        _require(1 <= self.divergence_window <= 1024,
+                 "scheduler.divergence_window must be between 1 and 1024")
+        _require(0 < self.bandwidth_ewma_alpha <= 1,
+                 "scheduler.bandwidth_ewma_alpha must be above 0 and at most 1")
+        _require(self.bandwidth_sample_min_s >= 0, "scheduler.bandwidth_sample_min_s must be >= 0")
+        _require(self.bandwidth_sample_max_s > 0
+                 and self.bandwidth_sample_max_s >= self.bandwidth_sample_min_s,
+                 "scheduler.bandwidth_sample_max_s must be positive and at least bandwidth_sample_min_s")
+        _require(self.initial_read_bandwidth_bytes_per_s > 0
+                 and math.isfinite(self.initial_read_bandwidth_bytes_per_s),
+                 "scheduler.initial_read_bandwidth_bytes_per_s must be a positive number")
+        _require(0 < self.trace_timing_ewma_alpha <= 1,
+                 "scheduler.trace_timing_ewma_alpha must be above 0 and at most 1")
+        _require(self.trace_max_entries >= 1, "scheduler.trace_max_entries must be positive")
+        names = [name for name, _ in self.namespace_quota_bytes]
+        _require(len(set(names)) == len(names), "scheduler.namespace_quota_bytes names a namespace twice")
+        for name, quota in self.namespace_quota_bytes:
+            _require(isinstance(name, str) and bool(name),
+                     "scheduler.namespace_quota_bytes: namespaces must be non-empty strings")
+            _require(isinstance(quota, int) and not isinstance(quota, bool) and quota > 0,
+                     f"scheduler.namespace_quota_bytes: the quota of {name!r} must be a positive byte count")
+
+    def quota_bytes(self, namespace: str) -> int | None:
+        for name, quota in self.namespace_quota_bytes:
+            if name == namespace:
+                return quota
+        return None
+
+
+@dataclass(frozen=True)
 class InfinityConfig:
     """All settings, one table per component."""
 
@@ -165,6 +251,7 @@ class InfinityConfig:
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     source: str = "defaults"  # the file it was read from, for messages
 
     def validate(self) -> None:
@@ -172,6 +259,7 @@ class InfinityConfig:
         self.nvme.validate()
         self.cpu.validate()
         self.daemon.validate()
+        self.scheduler.validate()
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
@@ -182,6 +270,7 @@ TABLES: dict[str, type] = {
     "nvme": NvmeConfig,
     "cpu": CpuTierConfig,
     "daemon": DaemonConfig,
+    "scheduler": SchedulerConfig,
 }
 
 
@@ -221,9 +310,42 @@ def _coerce(table: str, key: str, raw: Any, *, from_text: bool) -> Any:
             _require(isinstance(raw, list) and all(isinstance(x, str) for x in raw),
                      f"{where} must be a list of strings")
             return tuple(raw)
+        if kind in ("tuple[tuple[str, int], ...]",):
+            return _quota_pairs(where, raw, from_text=from_text)
     except ValueError as exc:
         raise ConfigError(f"{where}: cannot read {raw!r} ({exc})") from None
     raise ConfigError(f"{where}: unsupported setting type {kind}")
+
+
+def _quota_pairs(where: str, raw: Any, *, from_text: bool) -> tuple[tuple[str, int], ...]:
+    """`{name = bytes}` (TOML) or `name=bytes,name=bytes` (text) as sorted (name, bytes) pairs."""
+    if from_text:
+        pairs: list[tuple[str, Any]] = []
+        for part in (p.strip() for p in str(raw).split(",")):
+            if not part:
+                continue
+            name, sep, number = part.partition("=")
+            _require(bool(sep) and bool(name.strip()),
+                     f"{where} must look like name=bytes,name=bytes, not {raw!r}")
+            pairs.append((name.strip(), int(number.strip().replace("_", ""), 0)))
+    else:
+        _require(isinstance(raw, dict), f"{where} must be a table of namespace = bytes")
+        pairs = list(raw.items())
+    for name, number in pairs:
+        _require(isinstance(number, int) and not isinstance(number, bool),
+                 f"{where}: the quota of {name!r} must be an integer byte count")
+    return tuple(sorted(pairs))
+
+
+def settings_text(value: Any) -> str:
+    """A setting's value in the loader's text syntax (environment variables and --set flags)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        if all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value) and value:
+            return ",".join(f"{name}={number}" for name, number in value)
+        return os.pathsep.join(value)
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _apply(values: dict[str, dict[str, Any]], table: str, key: str, raw: Any, *,

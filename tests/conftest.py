@@ -150,6 +150,8 @@ def _flag_text(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
+    if isinstance(value, dict):  # namespace quotas: name=bytes,name=bytes
+        return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value)
 
 

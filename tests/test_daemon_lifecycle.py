@@ -153,7 +153,11 @@ def test_sample_config_sets_every_setting_to_its_default() -> None:
                 continue  # depends on the user; shown commented out
             expected = getattr(getattr(defaults, table), field.name)
             value = sample[table][field.name]
-            assert (tuple(value) if isinstance(value, list) else value) == expected, \
+            if isinstance(value, list):
+                value = tuple(value)
+            elif isinstance(value, dict):
+                value = tuple(sorted(value.items()))
+            assert value == expected, \
                 f"{table}.{field.name}"
 
 

@@ -33,6 +33,7 @@ REQUESTS: list[wire.Request] = [
     wire.Delete((wire.TensorRef("ns", "x"),)),
     wire.Exists((wire.TensorRef("ns", "x"),)),
     wire.ListTensors((wire.ListItem("ns", "layer."),)),
+    wire.Step("ns", "begin"),
 ]
 
 
@@ -94,11 +95,20 @@ def test_trailing_bytes_after_a_message_are_a_protocol_error() -> None:
     ["reserve", 1, [["ns", "a", "float32", [2, "3"]]]],
     ["release", 1, ["seven"]],
     ["stats", 1, [1]],
+    ["step", 1, ["ns", "middle"]],               # a step begins or ends
+    ["step", 1, ["", "begin"]],                  # the namespace must not be empty
     ["hello", 1, [wire.PROTOCOL_VERSION, "x", 0, 1.0]],  # pid must be positive
 ])
 def test_wrong_structure_is_a_protocol_error(value: list[object]) -> None:
     with pytest.raises(ProtocolError):
         _decode(msgpack.packb(value))
+
+
+def test_step_report_round_trips_and_refuses_an_unknown_outcome() -> None:
+    report = wire.StepReport("replayed", 12, {"prefetch_hits": 11, "stall_s": 0.25})
+    assert wire.StepReport.from_wire(msgpack.unpackb(msgpack.packb(report.to_wire()))) == report
+    with pytest.raises(ProtocolError, match="outcome"):
+        wire.StepReport.from_wire(["guessed", 1, {}])
 
 
 def test_extension_types_are_refused() -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from infinity.client.client import Client, Lease, connect
+    from infinity.client.client import Client, Lease, StepResult, connect
 
-__all__ = ["Client", "Lease", "connect"]
+__all__ = ["Client", "Lease", "StepResult", "connect"]
 
 
 def __getattr__(name: str) -> Any:

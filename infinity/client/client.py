@@ -9,6 +9,9 @@
     client.put("w", w, durable=True)                   # returns once it is on NVMe, indexed
     client.flush_store()                               # every tensor durable, one transaction
     client.write_from("huge", t); client.read_into("huge", out)   # any size, in pieces
+    with client.step() as step:                        # a training step: the daemon learns
+        ...                                            # its access order and prefetches it
+    step.outcome, step.counters                        # "replayed", prefetch hits, stall ...
 
 Durability (with an NVMe tier, `nvme.dirs`): a commit is visible at once but
 not durable; `put(..., durable=True)` / `commit(..., durable=True)` and
@@ -30,13 +33,15 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
+import dataclasses
 import itertools
 from collections import deque
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
 import psutil
 import torch
@@ -57,6 +62,21 @@ TensorSpec = Union[torch.Tensor, tuple[torch.dtype, Sequence[int]]]
 Names = Union[str, Sequence[str]]
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What `Client.step()` yields; `report` is filled in when the step ends."""
+
+    report: wire.StepReport | None = None
+
+    @property
+    def outcome(self) -> str | None:
+        return None if self.report is None else self.report.outcome
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        return {} if self.report is None else self.report.counters
 # Released shared leases wait for the next message up to this many, then go at once.
 MAX_PENDING_RELEASES = 4096
 
@@ -586,6 +606,32 @@ class Client:
         self._raise_first([result])
         return wire.decode_infos(result)
 
+    def step_begin(self, *, namespace: str = "default") -> wire.StepReport | None:
+        """Mark the start of a step (one iteration of a loop that touches the same tensors in
+        the same order). The first step is recorded; later ones are replayed: infinityd loads
+        what comes next while this process computes. Returns the report of a step this one
+        ended (a step left open), else None. The trace is this client name's in `namespace`:
+        give `connect(name=...)` a stable name so a restarted process finds its trace."""
+        (result,) = self._call(wire.Step(namespace, "begin"))
+        self._raise_first([result])
+        return None if result is None else wire.StepReport.from_wire(result)
+
+    def step_end(self, *, namespace: str = "default") -> wire.StepReport:
+        """Mark the end of the step; returns how it went (outcome, hits, misses, stall)."""
+        (result,) = self._call(wire.Step(namespace, "end"))
+        self._raise_first([result])
+        return wire.StepReport.from_wire(result)
+
+    @contextlib.contextmanager
+    def step(self, *, namespace: str = "default") -> Iterator[StepResult]:
+        """`with client.step() as step:` marks one step; `step.report` is set when it ends."""
+        result = StepResult()
+        self.step_begin(namespace=namespace)
+        try:
+            yield result
+        finally:
+            result.report = self.step_end(namespace=namespace)
+
     def stats(self) -> dict[str, Any]:
         """The daemon's counters: tiers, catalog, clients, requests."""
         (result,) = self._call(wire.Stats())
@@ -669,4 +715,4 @@ def connect(*, config: InfinityConfig | None = None, start: bool = False,
     return Client(config, layout, name=name or _default_name())
 
 
-__all__ = ["Client", "Lease", "connect"]
+__all__ = ["Client", "Lease", "StepResult", "connect"]

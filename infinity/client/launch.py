@@ -8,11 +8,10 @@ exactly the client's settings, and returns once the daemon answers.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 
-from infinity.config import TABLES, InfinityConfig
+from infinity.config import TABLES, InfinityConfig, settings_text
 from infinity.errors import DaemonUnavailableError
 from infinity.protocol.paths import child_environment
 
@@ -22,13 +21,7 @@ def settings_as_flags(config: InfinityConfig) -> list[str]:
     flags: list[str] = []
     for table in TABLES:
         for key, value in dataclasses.asdict(getattr(config, table)).items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, (tuple, list)):
-                text = os.pathsep.join(value)
-            else:
-                text = repr(value) if isinstance(value, float) else str(value)
-            flags += ["--set", f"{table}.{key}={text}"]
+            flags += ["--set", f"{table}.{key}={settings_text(value)}"]
     return flags
 
 

@@ -51,6 +51,7 @@ class EventLoop:
         self.add_reader(self._wake_fd, self._on_wake)
         self._workers = ThreadPoolExecutor(max_workers=num_workers,
                                            thread_name_prefix="infinityd-worker")
+        self._before_wait: list[Callable[[], None]] = []
         self._running = False
         self._stopping = False
         self.thread_id: int | None = None
@@ -77,6 +78,11 @@ class EventLoop:
             fd = int(source)
         if self._callbacks.pop(fd, None) is not None:
             self._epoll.unregister(fd)
+
+    def before_wait(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on every turn, after the turn's events and before the loop waits: the
+        place for decisions that should see all of a turn's events at once (prefetch planning)."""
+        self._before_wait.append(callback)
 
     def call_later(self, delay_s: float, callback: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), callback))
@@ -140,6 +146,8 @@ class EventLoop:
                         timeout_ms = 0.0  # look at the other fds, then come back
                 if self._stopping:
                     break
+                for hook in self._before_wait:
+                    self._dispatch(hook, "before-wait hook")
                 events = poll(-1 if timeout_ms is None else timeout_ms / 1000.0)
                 for fd, _ in events:
                     callback = callbacks.get(fd)

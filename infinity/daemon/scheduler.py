@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+from infinity.config import SchedulerConfig
 from infinity.daemon.trace import (
     INFINITE_S,
     Match,
@@ -61,9 +62,6 @@ from infinity.daemon.trace import (
 )
 from infinity.errors import ConfigError
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-
 __all__ = [
     "AccessKind",
     "NextUsePolicy",
@@ -73,91 +71,6 @@ __all__ = [
     "StreamKey",
     "TensorKey",
 ]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Settings of the scheduler (to become the `[scheduler]` table of `infinity.config`)."""
-
-    # The prefetch lookahead, in bytes, is the read bandwidth (this stream's share)
-    # times the expected compute time of the next `lookahead_accesses` accesses,
-    # and at least `lookahead_min_s` of disk time (it covers latency when the
-    # client's accesses come in bursts).
-    lookahead_accesses: int = 4
-    lookahead_min_s: float = 0.01
-    # The upcoming data a stream may hold in the tier (resident, in flight and
-    # planned), as a fraction of the tier, split evenly between prefetching streams.
-    lookahead_max_fraction: float = 0.5
-    # Prefetch bytes the engine may have in flight at once, split evenly between
-    # competing streams: a short engine queue keeps a newcomer or a demand miss
-    # from waiting behind another client's whole window.
-    prefetch_inflight_max_bytes: int = 64 * MiB
-    # Fair sharing: the bytes each competing stream may add to a plan per deficit
-    # round robin round, and how far (in bytes loaded) a stream may get ahead of
-    # the least served competing stream.
-    fair_quantum_bytes: int = 4 * MiB
-    # An access may match one of the next `divergence_window` trace entries
-    # (skipping the ones before it); this many unexpected accesses in a row, or a
-    # step ending with this many entries left, mean the order changed.
-    divergence_window: int = 4
-    # Read bandwidth: an EWMA over samples of bytes read per second of engine
-    # busy time. A sample closes when the engine goes idle after at least
-    # `bandwidth_sample_min_s` of busy time, or after `bandwidth_sample_max_s`
-    # of continuous busy time. The initial value stands until the first sample.
-    bandwidth_ewma_alpha: float = 0.25
-    bandwidth_sample_min_s: float = 0.005
-    bandwidth_sample_max_s: float = 0.1
-    initial_read_bandwidth_bytes_per_s: float = 1.0 * GiB
-    # How fast a trace's timing follows the steps that replay it.
-    trace_timing_ewma_alpha: float = 0.25
-    # A step with more accesses than this is not traced.
-    trace_max_entries: int = 1_000_000
-    # Between steps (and near a step's end) prefetch the start of the next step.
-    prefetch_across_steps: bool = True
-    # CPU-tier quotas per tensor namespace: ((namespace, bytes), ...).
-    namespace_quota_bytes: tuple[tuple[str, int], ...] = ()
-
-    def validate(self) -> None:
-        _require(1 <= self.lookahead_accesses <= 1_000_000,
-                 "scheduler.lookahead_accesses must be between 1 and 1000000")
-        _require(0 <= self.lookahead_min_s <= 60, "scheduler.lookahead_min_s must be between 0 and 60")
-        _require(0 < self.lookahead_max_fraction <= 1,
-                 "scheduler.lookahead_max_fraction must be above 0 and at most 1")
-        _require(self.prefetch_inflight_max_bytes > 0,
-                 "scheduler.prefetch_inflight_max_bytes must be positive")
-        _require(self.fair_quantum_bytes > 0, "scheduler.fair_quantum_bytes must be positive")
-        _require(1 <= self.divergence_window <= 1024,
-                 "scheduler.divergence_window must be between 1 and 1024")
-        _require(0 < self.bandwidth_ewma_alpha <= 1,
-                 "scheduler.bandwidth_ewma_alpha must be above 0 and at most 1")
-        _require(self.bandwidth_sample_min_s >= 0, "scheduler.bandwidth_sample_min_s must be >= 0")
-        _require(self.bandwidth_sample_max_s > 0
-                 and self.bandwidth_sample_max_s >= self.bandwidth_sample_min_s,
-                 "scheduler.bandwidth_sample_max_s must be positive and at least bandwidth_sample_min_s")
-        _require(self.initial_read_bandwidth_bytes_per_s > 0
-                 and math.isfinite(self.initial_read_bandwidth_bytes_per_s),
-                 "scheduler.initial_read_bandwidth_bytes_per_s must be a positive number")
-        _require(0 < self.trace_timing_ewma_alpha <= 1,
-                 "scheduler.trace_timing_ewma_alpha must be above 0 and at most 1")
-        _require(self.trace_max_entries >= 1, "scheduler.trace_max_entries must be positive")
-        names = [name for name, _ in self.namespace_quota_bytes]
-        _require(len(set(names)) == len(names), "scheduler.namespace_quota_bytes names a namespace twice")
-        for name, quota in self.namespace_quota_bytes:
-            _require(isinstance(name, str) and bool(name),
-                     "scheduler.namespace_quota_bytes: namespaces must be non-empty strings")
-            _require(isinstance(quota, int) and quota > 0,
-                     f"scheduler.namespace_quota_bytes: the quota of {name!r} must be a positive byte count")
-
-    def quota_bytes(self, namespace: str) -> int | None:
-        for name, quota in self.namespace_quota_bytes:
-            if name == namespace:
-                return quota
-        return None
 
 
 class AccessKind(str, Enum):

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
@@ -31,6 +32,7 @@ from infinity.daemon.arena import CpuArena, SpaceShortage
 from infinity.daemon.catalog import Catalog, Version
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
+from infinity.daemon.scheduler import Scheduler, StreamKey
 from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
 from infinity.daemon.streams import StreamTable
 from infinity.daemon.tiers import TierManager
@@ -86,6 +88,7 @@ class _Deferred:
     request_id: int
     results: list[Any]
     left: int = 0
+    stream: StreamKey | None = None  # a get the client waits on: its stall ends with the reply
 
 
 Handler = Callable[[Session, bytes, int, Sequence[Any]], None]
@@ -100,12 +103,24 @@ class Daemon:
         self.loop = EventLoop()
         self.arena = CpuArena(config.cpu, poison=config.daemon.poison_released,
                               on_retire=self._on_segment_retired)
-        self.tiers = TierManager(config, self.loop, self.arena)
+        # The scheduler decides what the CPU tier keeps and loads ahead; with no NVMe tier
+        # everything is resident and there is nothing to decide.
+        self.scheduler: Scheduler | None = None
+        if config.nvme.dirs:
+            self.scheduler = Scheduler(config.scheduler, cpu_tier_bytes=config.cpu.budget_bytes,
+                                       is_pinned=lambda key: key not in self.tiers.candidates)
+        self.tiers = TierManager(config, self.loop, self.arena, scheduler=self.scheduler)
         self.catalog = Catalog(self.tiers)
         self.tiers.attach(self.catalog)
         restored = self.tiers.restore()
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
+        self._stream_owners: dict[StreamKey, int] = {}  # stream -> the live session that holds it
+        self._plan_due = False
+        if self.scheduler is not None:
+            self._restore_traces()
+            self.tiers.on_change = self._plan_soon
+            self.loop.before_wait(self._plan_prefetch)
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.sessions = Sessions()
         self.counters = DaemonCounters()
@@ -141,6 +156,7 @@ class Daemon:
             "shutdown": self._shutdown,
             "attach": self._attach_again,
             "hello": self._hello_again,
+            "step": self._step,
         }
 
     # --- lifecycle ----------------------------------------------------------------
@@ -276,6 +292,8 @@ class Daemon:
         """One deferred item is done; reply once all are (unless the client went away)."""
         deferred.left -= 1
         if not deferred.left and deferred.session.alive:
+            if deferred.stream is not None and self.scheduler is not None:
+                self.scheduler.wait_finished(deferred.stream, time.monotonic())
             self._reply(deferred.identity, deferred.request_id, deferred.results)
 
     # --- sessions -----------------------------------------------------------------
@@ -331,6 +349,7 @@ class Daemon:
     def _end(self, session: Session, reason: str) -> None:
         if not session.alive:
             return
+        self._streams_gone(session)
         streams = self.streams.drop_client(session.id)
         leases, reservations = self.catalog.drop_client(session.id)
         self.sessions.remove(session, reason)
@@ -379,17 +398,24 @@ class Daemon:
         results: list[Any] = []
         nbytes = 0
         missing: list[int] | None = None  # items only on NVMe: the reply waits for their loads
-        track = self.tiers.nvme is not None
+        scheduler = self.scheduler
+        stream: StreamKey | None = None
+        now = 0.0
+        if scheduler is not None:
+            now = time.monotonic()
+            self._plan_due = True
         for outcome in outcomes:
             if type(outcome) is Version:
+                if scheduler is not None:
+                    # Before any load starts, so that a miss counts as one.
+                    stream = self._stream_of(session, outcome.key[0])
+                    scheduler.touched(stream, outcome.key, outcome.nbytes, now)
                 if outcome.cpu is None and outcome.nbytes:
                     if missing is None:
                         missing = []
                     missing.append(len(results))
                     results.append(None)
                 else:
-                    if track and outcome.cpu is not None:
-                        self.tiers.touched(outcome)
                     results.append(outcome.wire)
                 nbytes += outcome.nbytes
             else:
@@ -405,11 +431,15 @@ class Daemon:
             return
         deferred = self._defer(session, identity, request_id, results)
         deferred.left = len(missing) + 1  # + 1: settled below, once every load is started
+        if scheduler is not None and stream is not None:
+            deferred.stream = stream
+            scheduler.wait_started(stream, now)
         for i in missing:
             version = cast(Version, outcomes[i])
             try:
                 if self.tiers.ensure_resident(version, lambda error, i=i, v=version: (  # type: ignore[misc]
-                        self._get_loaded(deferred, i, v, error, loaded=True))):
+                        self._get_loaded(deferred, i, v, error, loaded=True)),
+                        stream=stream):
                     self._get_loaded(deferred, i, version, None)  # an earlier item loaded it
                 else:
                     counters.load_waits += 1
@@ -493,6 +523,7 @@ class Daemon:
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
                 continue
+            self._wrote(session, version)
             results.append(version.stamp)
             session.counters.commit_bytes += version.nbytes
             self.counters.bytes_committed += version.nbytes
@@ -511,6 +542,7 @@ class Daemon:
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
                 continue
+            self._wrote(session, version)
             committed.append((len(results), version))
             results.append(version.stamp)
             session.counters.commit_bytes += version.nbytes
@@ -638,6 +670,8 @@ class Daemon:
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
                 continue
+            if self.scheduler is not None:
+                self.scheduler.forget(version.key)
             results.append(None)
             # A flushed tensor leaves the index too; the reply waits for that commit.
             i = len(results) - 1
@@ -686,6 +720,131 @@ class Daemon:
         self._reply(identity, request_id, [None])
         self.stop()
 
+    # --- the scheduler ----------------------------------------------------------
+
+    def _stream_of(self, session: Session, namespace: str) -> StreamKey:
+        """The scheduler stream a client's access in `namespace` belongs to (see Session)."""
+        if session.step_namespace is not None:
+            namespace = session.step_namespace
+        stream = session.streams.get(namespace)
+        if stream is None:
+            stream = (namespace, session.name)
+            if self._stream_owners.get(stream, session.id) != session.id:
+                # Another live client has this name: one trace cannot describe two processes.
+                stream = (namespace, f"{session.name}#{session.id}")
+            self._stream_owners[stream] = session.id
+            session.streams[namespace] = stream
+            assert self.scheduler is not None
+            self.scheduler.attach(stream, time.monotonic())
+        return stream
+
+    def _wrote(self, session: Session, version: Version) -> None:
+        if self.scheduler is not None:
+            stream = self._stream_of(session, version.key[0])
+            self.scheduler.touched(stream, version.key, version.nbytes, time.monotonic(), write=True)
+            self._plan_due = True
+
+    def _step(self, session: Session, identity: bytes, request_id: int,
+              body: Sequence[Any]) -> None:
+        message = wire.Step.from_body(body)
+        session.counters.steps += message.phase == "begin"
+        scheduler = self.scheduler
+        if scheduler is None:
+            report = wire.StepReport("untracked", 0, {})
+            self._reply(identity, request_id, [report.to_wire() if message.phase == "end" else None])
+            return
+        now = time.monotonic()
+        if message.phase == "begin":
+            if session.step_namespace not in (None, message.namespace):
+                # A step in another namespace was left open: it ends here.
+                self._end_step(session, now)
+            session.step_namespace = message.namespace
+            stream = self._stream_of(session, message.namespace)
+            summary = scheduler.step_begin(stream, now)
+        else:
+            session.step_namespace = message.namespace
+            stream = self._stream_of(session, message.namespace)
+            summary = scheduler.step_end(stream, now)
+        self._plan_due = True
+        result = None
+        if summary is not None:
+            if summary.trace_updated:
+                self._save_trace(stream)
+            result = wire.StepReport(summary.outcome, summary.trace_entries,
+                                     summary.counters).to_wire()
+        self._reply(identity, request_id, [result])
+
+    def _end_step(self, session: Session, now: float) -> None:
+        assert self.scheduler is not None and session.step_namespace is not None
+        stream = self._stream_of(session, session.step_namespace)
+        if self.scheduler.step_end(stream, now).trace_updated:
+            self._save_trace(stream)
+
+    def _streams_gone(self, session: Session) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        now = time.monotonic()
+        for stream in session.streams.values():
+            scheduler.client_gone(stream, now)
+            if self._stream_owners.get(stream) == session.id:
+                del self._stream_owners[stream]
+            self._save_trace(stream)  # with the timing its replayed steps refined
+        session.streams.clear()
+        self._plan_due = True
+
+    def _save_trace(self, stream: StreamKey) -> None:
+        """Persist a stream's trace in the store's index (None: forget it), in the background."""
+        index = self.tiers.index
+        if index is None or self.scheduler is None or "#" in stream[1] or self._closing:
+            return  # a "#<id>" stream lives only as long as its session
+
+        def saved(future: Future[None]) -> None:
+            if future.exception() is not None:
+                log.warning("the trace of client %r in %r was not saved: %s", stream[1], stream[0],
+                            future.exception())
+
+        try:
+            index.save_trace(stream[0], stream[1], self.scheduler.export_trace(stream), on_done=saved)
+        except InfinityError as exc:
+            log.warning("the trace of client %r in %r was not saved: %s", stream[1], stream[0], exc)
+
+    def _restore_traces(self) -> None:
+        index = self.tiers.index
+        if index is None or self.scheduler is None:
+            return
+        restored = 0
+        for namespace, client, data in index.load_traces():
+            try:
+                self.scheduler.import_trace((namespace, client), data)
+                restored += 1
+            except ValueError as exc:
+                log.warning("the stored trace of client %r in %r is not used: %s", client,
+                            namespace, exc)
+        if restored:
+            log.info("scheduler: %d step trace(s) restored from the index", restored)
+
+    def _plan_soon(self) -> None:
+        self._plan_due = True
+
+    def _plan_prefetch(self) -> None:
+        """Once per loop turn with news: start the loads the scheduler plans (before waiting)."""
+        if not self._plan_due:
+            return
+        self._plan_due = False
+        scheduler = self.scheduler
+        if scheduler is None or not self.config.scheduler.prefetch or self._closing:
+            return
+        arena = self.arena
+        free_bytes = max(0, arena.budget_bytes - arena.used_bytes)
+        for key in scheduler.plan_prefetch(free_bytes=free_bytes):
+            try:
+                version = self.catalog.current(key[0], key[1])
+            except InfinityError:
+                scheduler.forget(key)  # deleted since the trace saw it
+                continue
+            self.tiers.prefetch(version)
+
     # --- reporting ----------------------------------------------------------------
 
     def _tier_stats(self) -> dict[str, Any]:
@@ -706,6 +865,7 @@ class Daemon:
             leases, reservations = self.catalog.client_counts(session.id)
             clients.append({
                 "id": session.id, "name": session.name, "pid": session.pid,
+                "streams": [list(key) for key in session.streams.values()],
                 "watched_by_pidfd": session.pidfd is not None,
                 "connected_at_s": session.connected_at_s,
                 "idle_s": round(now - session.last_seen, 3),
@@ -724,6 +884,7 @@ class Daemon:
             "tiers": self._tier_stats(),
             "catalog": self.catalog.stats(),
             "clients": clients,
+            "scheduler": self.scheduler.snapshot() if self.scheduler is not None else None,
             "counters": {
                 "requests": counters.requests, "items": counters.items,
                 "malformed": counters.malformed, "ops": dict(counters.ops),

@@ -49,6 +49,7 @@ class ClientCounters:
     flushes: int = 0  # flush_store requests
     streams: int = 0  # read_into / write_from streams opened
     stream_bytes: int = 0  # bytes moved by this client's stream chunks
+    steps: int = 0  # steps begun (step markers)
 
 
 @dataclass(eq=False)
@@ -68,6 +69,12 @@ class Session:
     retired_pending: set[int] = field(default_factory=set)
     counters: ClientCounters = field(default_factory=ClientCounters)
     alive: bool = True
+    # The scheduler's streams of this client, by tensor namespace: (namespace, client name),
+    # or a name with a "#<session id>" suffix while another live session holds that stream.
+    streams: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The namespace of the step the client marked last: its accesses in every namespace
+    # belong to that step's trace.
+    step_namespace: str | None = None
 
     def describe(self) -> str:
         return f"client {self.id} ({self.name!r}, pid {self.pid})"

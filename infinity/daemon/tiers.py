@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from infinity.daemon.arena import (ALIGNMENT_BYTES, CpuArena, CpuSlice, Segment,
 from infinity.daemon.catalog import Catalog, Key, Version, placement_wire
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.policy import EvictionPolicy, default_policy
+from infinity.daemon.scheduler import Scheduler
 from infinity.errors import (ChecksumError, InfinityError, InvalidRequestError, IOEngineError,
                              LeaseError, StoreDirectoryError, TierFullError, TooLargeError)
 from infinity.io import IOEngine, IOFuture
@@ -79,6 +81,9 @@ class _Load:
     version: Version
     waiters: list[Callback]
     piece: CpuSlice | None = None
+    # Started as a prefetch and nobody waits for it yet: its room may only come from tensors
+    # needed later than it (the scheduler's rule), and it is dropped quietly if there is none.
+    prefetch: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -118,6 +123,7 @@ class TierCounters:
     checksum_errors: int = 0
     prefetches: int = 0
     prefetch_bytes: int = 0
+    prefetches_skipped: int = 0  # no room without evicting something needed sooner: not loaded
     load_waits: int = 0  # requests that joined a load already under way
     space_waits: int = 0  # allocations that waited for a segment or a write-back
     flushes: int = 0  # index transactions committed
@@ -179,11 +185,16 @@ class TierManager:
     """The CPU tier and the NVMe tier under one set of rules. Loop thread only."""
 
     def __init__(self, config: InfinityConfig, loop: EventLoop, arena: CpuArena, *,
-                 policy: EvictionPolicy | None = None) -> None:
+                 scheduler: Scheduler | None = None) -> None:
         self.config = config
         self.loop = loop
         self.arena = arena
-        self.policy: EvictionPolicy = policy if policy is not None else default_policy()
+        # With a scheduler, it is the eviction policy and hears of every load and write-back.
+        self.scheduler = scheduler
+        self.policy: EvictionPolicy = scheduler.policy if scheduler is not None else default_policy()
+        # Called after anything that can change what the scheduler would prefetch (a load
+        # finished, a tensor left the tier, space was freed); the daemon plans on its next turn.
+        self.on_change: Callable[[], None] = lambda: None
         self.catalog: Catalog | None = None  # set by attach(): the catalog is built on top of us
         self.engine: IOEngine | None = None
         self.nvme: NvmeTier | None = None
@@ -297,12 +308,14 @@ class TierManager:
 
     # --- CPU space ---------------------------------------------------------------------
 
-    def allocate_slice(self, nbytes: int, *, what: str) -> CpuSlice:
+    def allocate_slice(self, nbytes: int, *, what: str, prefetch_of: Key | None = None) -> CpuSlice:
         """A CPU slice of `nbytes` (> 0), evicting if the tier is full.
 
         Raises TooLargeError (more than the whole tier), TierFullError or the NVMe tier's
         StoreFullError / DiskFullError (nothing can be evicted), or SpaceShortage: a segment
         is being created or victims are being written back; `when_space` says when to retry.
+        `prefetch_of`: the room is for prefetching this tensor, so only tensors needed later
+        than it may go (TierFullError if there are not enough).
         """
         arena = self.arena
         while True:
@@ -320,7 +333,7 @@ class TierManager:
                 full = exc
             if self.nvme is None:
                 raise full
-            outcome = self._evict_for(nbytes)
+            outcome = self._evict_for(nbytes, prefetch_of=prefetch_of)
             if outcome in (_FREED, _RETRY):
                 continue
             if outcome == _PENDING:
@@ -362,6 +375,7 @@ class TierManager:
         self._space_waiters.append(callback)
 
     def _wake_space(self) -> None:
+        self.on_change()
         # Deferred to the next loop turn: this may run inside a catalog call, which a waiter
         # (a parked request) must not re-enter.
         if self._space_waiters and not self._wake_scheduled:
@@ -403,13 +417,20 @@ class TierManager:
 
     # --- eviction ------------------------------------------------------------------------
 
-    def _evict_for(self, nbytes: int) -> str:
+    def _evict_for(self, nbytes: int, *, prefetch_of: Key | None = None) -> str:
         """Free CPU space for an allocation of `nbytes`: _FREED (retry now), _PENDING (victims
         are being written back: wait for `when_space`), _RETRY (a write-back failed at once:
         choose again without dirty victims) or _NOTHING (nothing may go)."""
         ahead = self.config.nvme.write_behind_bytes
         error_before = self.write_error
-        victims = self.policy.choose_victims(self.candidates, nbytes + ahead)
+        victims: list[Key] | None
+        if prefetch_of is not None and self.scheduler is not None:
+            victims = self.scheduler.victims_for_prefetch(prefetch_of, self.candidates, nbytes)
+            if victims is None:
+                return _NOTHING  # everything that could go is needed before the prefetched tensor
+            ahead = 0
+        else:
+            victims = self.policy.choose_victims(self.candidates, nbytes + ahead)
         freed = False
         covered = 0
         for key in victims:
@@ -538,6 +559,8 @@ class TierManager:
                 counters.writebacks += 1
                 counters.writeback_bytes += version.nbytes
                 self.write_error = None
+                if self.scheduler is not None:
+                    self.scheduler.written_back(version.key, version.nbytes, time.monotonic())
         if layout is None and error is not None:
             counters.writeback_failures += 1
             if not isinstance(error, LeaseError):
@@ -615,9 +638,11 @@ class TierManager:
 
     # --- loads ---------------------------------------------------------------------------
 
-    def ensure_resident(self, version: Version, callback: Callback) -> bool:
+    def ensure_resident(self, version: Version, callback: Callback, *,
+                        stream: tuple[str, str] | None = None) -> bool:
         """True when the version's bytes are in the CPU tier now. Otherwise start (or join) its
         load from NVMe and return False; `callback(None or error)` runs when it is done.
+        `stream`: the scheduler's stream whose access needs it (for its accounting).
 
         Raises TooLargeError at once for a tensor larger than the whole CPU tier.
         """
@@ -628,14 +653,19 @@ class TierManager:
         if load is not None:
             self.counters.load_waits += 1
             load.waiters.append(callback)
+            load.prefetch = False  # somebody waits for it now: it may make room like any get
             return False
-        load = self._new_load(version)
+        load = self._new_load(version, prefetch=False, stream=stream)
         load.waiters.append(callback)
         self._continue_load(load)
         return False
 
     def prefetch(self, version: Version) -> bool:
-        """Start loading a tensor that is only on NVMe, if it could fit; True if a load runs."""
+        """Start loading a tensor that is only on NVMe, if it could fit; True if a load runs.
+
+        The room comes only from tensors needed later than this one (with no trace, the
+        least recently used of the untraced); without such room the prefetch is dropped.
+        """
         if (self.nvme is None or version.cpu is not None or not version.nbytes
                 or version.nbytes > self.arena.budget_bytes or version.nvme is None
                 or self._closing):
@@ -643,7 +673,7 @@ class TierManager:
         if version.loading is None:
             self.counters.prefetches += 1
             self.counters.prefetch_bytes += version.nbytes
-            self._continue_load(self._new_load(version))
+            self._continue_load(self._new_load(version, prefetch=True))
         return True
 
     def _check_fits(self, version: Version) -> None:
@@ -655,9 +685,13 @@ class TierManager:
                 f"leased whole; read it in pieces with client.read_into(name, out) (and write it "
                 f"with client.write_from(name, src)), or raise cpu.budget_bytes")
 
-    def _new_load(self, version: Version) -> _Load:
-        load = version.loading = _Load(version, [])
+    def _new_load(self, version: Version, *, prefetch: bool,
+                  stream: tuple[str, str] | None = None) -> _Load:
+        load = version.loading = _Load(version, [], prefetch=prefetch)
         version.pins += 1
+        if self.scheduler is not None:
+            self.scheduler.load_started(version.key, version.nbytes, time.monotonic(),
+                                        prefetch=prefetch, stream=stream)
         return load
 
     def _continue_load(self, load: _Load) -> None:
@@ -669,12 +703,20 @@ class TierManager:
                 f"tensor {version.key[1]!r} has no copy on NVMe to load (internal error)"))
             return
         if load.piece is None:
+            prefetch_of = version.key if load.prefetch and not load.waiters else None
             try:
                 load.piece = self.allocate_slice(
-                    version.nbytes, what=f"tensor {version.key[1]!r}")
+                    version.nbytes, what=f"tensor {version.key[1]!r}", prefetch_of=prefetch_of)
             except SpaceShortage:
                 self.when_space(lambda error: (
                     self._continue_load(load) if error is None else self._loaded(load, error)))
+                return
+            except TierFullError as exc:
+                if prefetch_of is not None:
+                    self.counters.prefetches_skipped += 1
+                    self._loaded(load, exc, skipped=True)
+                else:
+                    self._loaded(load, exc)
                 return
             except InfinityError as exc:
                 self._loaded(load, exc)
@@ -696,10 +738,15 @@ class TierManager:
             log.error("%s", error)
         self._loaded(load, error)
 
-    def _loaded(self, load: _Load, error: InfinityError | None) -> None:
+    def _loaded(self, load: _Load, error: InfinityError | None, *, skipped: bool = False) -> None:
         version = load.version
         version.loading = None
         version.pins -= 1
+        if self.scheduler is not None:
+            # Before the policy's touched() below: the scheduler must see the load end first.
+            self.scheduler.load_finished(version.key, time.monotonic(),
+                                         ok=error is None and version.current)
+        self.on_change()
         if error is None:
             assert load.piece is not None
             version.cpu = load.piece
@@ -712,7 +759,8 @@ class TierManager:
         else:
             if load.piece is not None:
                 self.free_slice(load.piece)
-            self.counters.reload_failures += 1
+            if not skipped:
+                self.counters.reload_failures += 1
         for waiter in load.waiters:
             waiter(error)
         self._catalog.unpinned(version)

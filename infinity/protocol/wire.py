@@ -539,14 +539,46 @@ class ListTensors:
         return cls(_items(body, "list", ListItem))
 
 
+STEP_PHASES = ("begin", "end")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Marks where a step of the client's work begins or ends, for the scheduler's traces.
+
+    The client's accesses between a begin and an end, in this namespace's trace
+    for this client name, are the step that later steps are expected to repeat.
+    Answered with one result: a StepReport of the step that ended (an end, or a
+    begin that ended a step left open), else None.
+    """
+
+    OP: ClassVar[str] = "step"
+    namespace: str
+    phase: str  # "begin" | "end"
+
+    def body(self) -> list[Any]:
+        return [self.namespace, self.phase]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Step:
+        namespace, phase = _list(body, "step", 2)
+        namespace = _str(namespace, "step namespace")
+        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
+            raise ProtocolError(f"malformed step: the namespace must have 1 to "
+                                f"{MAX_NAMESPACE_CHARS} characters")
+        if phase not in STEP_PHASES:
+            raise ProtocolError(f"malformed step: the phase must be 'begin' or 'end', not {phase!r}")
+        return cls(namespace, phase)
+
+
 Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
-                Delete, Exists, ListTensors]
+                Delete, Exists, ListTensors, Step]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitDurable,
     FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors)}
+    ListTensors, Step)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})
@@ -611,6 +643,33 @@ class ItemError:
 
     def exception(self) -> InfinityError:
         return error_from_code(self.code, self.message)
+
+
+STEP_OUTCOMES = ("recorded", "not_recorded", "replayed", "diverged", "no_step", "untracked")
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """How a step went: `outcome` is recorded (a new trace), not_recorded (too long or empty),
+    replayed (it followed the trace), diverged (the order changed: the next step records
+    again), no_step (an end without a begin) or untracked (this infinityd has no NVMe tier, so
+    nothing is scheduled). `counters`: the step's accesses, hits, misses, bytes, stall."""
+
+    outcome: str
+    trace_entries: int
+    counters: dict[str, Any]
+
+    def to_wire(self) -> list[Any]:
+        return [self.outcome, self.trace_entries, self.counters]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> StepReport:
+        outcome, entries, counters = _list(value, "step report", 3)
+        if outcome not in STEP_OUTCOMES:
+            raise ProtocolError(f"malformed step report: unknown outcome {outcome!r}")
+        if type(counters) is not dict:
+            raise _bad("step report counters", "a map", counters)
+        return cls(outcome, _int(entries, "step report trace_entries"), dict(counters))
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,11 @@ class DurableIndex:
                 namespace TEXT NOT NULL, name TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
                 layout TEXT NOT NULL, PRIMARY KEY (namespace, name))""")
             db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            # The scheduler's step traces (JSON), so a restarted client prefetches from its first
+            # step. Added without a schema change: older indexes gain the table on open.
+            db.execute("""CREATE TABLE IF NOT EXISTS traces (
+                namespace TEXT NOT NULL, client TEXT NOT NULL, trace TEXT NOT NULL,
+                PRIMARY KEY (namespace, client))""")
         except sqlite3.Error as exc:
             raise StoreDirectoryError(f"cannot open the store index {path}: {exc}; check that the "
                                       f"directory is writable and the file is not corrupted") from None
@@ -181,6 +186,18 @@ class DurableIndex:
             records.append(record)
         return records
 
+    def load_traces(self) -> list[tuple[str, str, Any]]:
+        """Every stored step trace as (namespace, client name, plain data); unreadable ones are
+        skipped (a trace is a prediction: losing one costs a recorded step, nothing else)."""
+        traces = []
+        for namespace, client, text in self._db.execute(
+                "SELECT namespace, client, trace FROM traces ORDER BY namespace, client"):
+            try:
+                traces.append((namespace, client, json.loads(text)))
+            except ValueError:
+                continue
+        return traces
+
     # --- writing (the writer thread) ------------------------------------------
 
     def publish(self, records: Iterable[DurableRecord], *,
@@ -215,6 +232,22 @@ class DurableIndex:
         def job() -> None:
             with _Transaction(self._db, path=self.path) as db:
                 db.executemany("DELETE FROM tensors WHERE namespace = ? AND name = ?", batch)
+
+        return self._submit(job, on_done)
+
+    def save_trace(self, namespace: str, client: str, trace: Any, *,
+                   on_done: Callable[[Future[None]], None] | None = None) -> Future[None]:
+        """Store (or, for None, forget) the step trace of a (namespace, client name)."""
+        text = None if trace is None else json.dumps(trace, separators=(",", ":"))
+
+        def job() -> None:
+            with _Transaction(self._db, path=self.path) as db:
+                if text is None:
+                    db.execute("DELETE FROM traces WHERE namespace = ? AND client = ?",
+                               (namespace, client))
+                else:
+                    db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?, ?)",
+                               (namespace, client, text))
 
         return self._submit(job, on_done)
 

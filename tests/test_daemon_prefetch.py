@@ -1,0 +1,348 @@
+"""Trace-driven prefetch through a real infinityd with an NVMe tier: hits in replayed steps, a
+changed order, traces kept across client and daemon restarts, two clients sharing the engine,
+leases under eviction, and the accounting in `stats`.
+
+A "layer" here is a tensor of an odd size (257 x 1021 float32, a little over 1 MiB) filled with its
+own index, so every access checks that the bytes are the right ones. The CPU tier (8 MiB) holds a
+quarter of the 32 layers. Compute between accesses is a sleep: a stand-in for work that takes a
+known time and leaves the CPU to the daemon (the benchmark, tools/bench_overlap.py, uses real
+matrix multiplies).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import RunningDaemon, short_tmp_root, start_daemon_process
+
+MiB = 1024 * 1024
+SPAWN = multiprocessing.get_context("spawn")
+LAYER_SHAPE = (257, 1021)
+NUM_LAYERS = 32
+COMPUTE_S = 0.004
+
+PREFETCH_SETTINGS: dict[str, Any] = {
+    "cpu.budget_bytes": 8 * MiB,
+    "cpu.segment_bytes": 4 * MiB,
+    "nvme.stripe_bytes": MiB,
+    "nvme.file_grow_bytes": 16 * MiB,
+    "nvme.write_behind_bytes": 2 * MiB,
+    "io.num_threads": 2,
+    "io.queue_depth": 8,
+}
+
+
+class PrefetchStore:
+    """One NVMe directory and runtime folder; daemons are started on it one after another."""
+
+    def __init__(self) -> None:
+        self.root = short_tmp_root()
+        self.dir = os.path.join(self.root, "nvme")
+        os.mkdir(self.dir)
+        self.daemons: list[RunningDaemon] = []
+
+    def start(self, **overrides: Any) -> RunningDaemon:
+        daemon = start_daemon_process(self.root, **{"nvme.dirs": [self.dir], **PREFETCH_SETTINGS,
+                                                    **overrides})
+        self.daemons.append(daemon)
+        return daemon
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def store() -> Iterator[PrefetchStore]:
+    store = PrefetchStore()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def write_layers(client: Any, *, namespace: str = "default", count: int = NUM_LAYERS) -> None:
+    """Layers straight to NVMe (write_from), so that none starts in the CPU tier."""
+    for i in range(count):
+        client.write_from(f"layer{i}", torch.full(LAYER_SHAPE, float(i)), namespace=namespace)
+
+
+def run_step(client: Any, order: list[int], *, namespace: str = "default",
+             compute_s: float = COMPUTE_S, checkpoint_after: int | None = None
+             ) -> tuple[Any, dict[str, Any] | None]:
+    """One step over `order`, checking every layer's bytes; returns its StepResult and, with
+    `checkpoint_after`, the client's scheduler totals taken after that many accesses."""
+    totals = None
+    with client.step(namespace=namespace) as step:
+        for position, i in enumerate(order):
+            if position == checkpoint_after:
+                totals = scheduler_totals(client, client.name, namespace=namespace)
+            with client.get(f"layer{i}", namespace=namespace) as layer:
+                assert layer[0, 0].item() == i and layer[-1, -1].item() == i, f"layer{i}'s bytes"
+            time.sleep(compute_s)  # the compute that consumes the layer
+    return step, totals
+
+
+def scheduler_client(client: Any, name: str, *, namespace: str = "default") -> dict[str, Any]:
+    (entry,) = [c for c in client.stats()["scheduler"]["clients"]
+                if c["client"] == name and c["namespace"] == namespace]
+    return dict(entry)
+
+
+def scheduler_totals(client: Any, name: str, *, namespace: str = "default") -> dict[str, Any]:
+    return dict(scheduler_client(client, name, namespace=namespace)["totals"])
+
+
+def difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {key: after[key] - before[key] for key in after}
+
+
+def hit_rate(counters: dict[str, Any]) -> float:
+    """Accesses whose data was in the CPU tier when asked for (prefetched, or kept because the
+    trace said it comes back soon); in-flight hits are counted apart, not as hits."""
+    return (counters["prefetch_hits"] + counters["resident_hits"]) / counters["accesses"]
+
+
+def assert_replayed_from_prefetch(client: Any, order: list[int], *, window: int = 6) -> None:
+    """One step over `order` replays the trace, and after its first `window` accesses (the
+    lookahead, lookahead_accesses = 4, and then some) at least 95% of accesses are hits."""
+    step, before = run_step(client, order, checkpoint_after=window)
+    assert step.outcome == "replayed"
+    assert before is not None
+    rest = difference(scheduler_totals(client, client.name), before)
+    assert rest["accesses"] == len(order) - window
+    assert hit_rate(rest) >= 0.95, rest
+
+
+# --- one client ----------------------------------------------------------------------------------
+
+def test_after_the_first_window_of_the_second_step_accesses_are_prefetch_hits(
+        store: PrefetchStore) -> None:
+    client = store.start().connect("trainer")
+    write_layers(client)
+    first, _ = run_step(client, list(range(NUM_LAYERS)))
+    assert first.outcome == "recorded"
+    assert first.counters["misses"] >= NUM_LAYERS - 8  # the tier holds a quarter: mostly misses
+
+    window = 6  # lookahead_accesses (4) and then some
+    second, before = run_step(client, list(range(NUM_LAYERS)), checkpoint_after=window)
+    assert second.outcome == "replayed"
+    assert before is not None
+    rest = difference(scheduler_totals(client, "trainer"), before)
+    assert rest["accesses"] == NUM_LAYERS - window
+    assert hit_rate(rest) >= 0.95, rest
+    assert rest["prefetch_hits"] >= (NUM_LAYERS - window) // 2, rest  # most came from prefetches
+    assert second.counters["prefetch_wasted_bytes"] == 0  # nothing prefetched was evicted unused
+    client.close()
+
+
+def test_a_changed_order_is_detected_and_the_new_order_is_learnt(store: PrefetchStore) -> None:
+    client = store.start().connect("trainer")
+    write_layers(client)
+    forward, backward = list(range(NUM_LAYERS)), list(reversed(range(NUM_LAYERS)))
+    assert run_step(client, forward)[0].outcome == "recorded"
+    assert run_step(client, forward)[0].outcome == "replayed"
+
+    changed, _ = run_step(client, backward)  # every byte still right (run_step checks)
+    assert changed.outcome == "diverged"
+    assert changed.counters["divergences"] == 1
+    assert scheduler_client(client, "trainer")["trace_entries"] == 0  # dropped, not misleading
+
+    assert run_step(client, backward)[0].outcome == "recorded"
+    assert_replayed_from_prefetch(client, backward)
+    client.close()
+
+
+def test_a_restarted_client_prefetches_from_its_first_step(store: PrefetchStore) -> None:
+    daemon = store.start()
+    client = daemon.connect("trainer")
+    write_layers(client)
+    assert run_step(client, list(range(NUM_LAYERS)))[0].outcome == "recorded"
+    client.close()
+
+    again = daemon.connect("trainer")
+    assert_replayed_from_prefetch(again, list(range(NUM_LAYERS)))
+    again.close()
+
+
+def test_traces_are_kept_in_the_store_across_a_daemon_restart(store: PrefetchStore) -> None:
+    daemon = store.start()
+    client = daemon.connect("trainer")
+    write_layers(client)
+    client.flush_store()  # the layers themselves must survive the restart too
+    assert run_step(client, list(range(NUM_LAYERS)))[0].outcome == "recorded"
+    client.close()
+    daemon.stop()
+
+    restarted = store.start().connect("trainer")
+    assert scheduler_client(restarted, "trainer")["trace_entries"] == NUM_LAYERS
+    assert_replayed_from_prefetch(restarted, list(range(NUM_LAYERS)))
+    restarted.close()
+
+
+def test_two_live_clients_with_one_name_keep_separate_traces(store: PrefetchStore) -> None:
+    daemon = store.start()
+    first, second = daemon.connect("trainer"), daemon.connect("trainer")
+    write_layers(first)
+    assert run_step(first, list(range(8)))[0].outcome == "recorded"
+    assert run_step(second, list(range(8, 16)))[0].outcome == "recorded"
+    # Each replays its own order: one trace for both would have diverged here.
+    assert run_step(first, list(range(8)))[0].outcome == "replayed"
+    assert run_step(second, list(range(8, 16)))[0].outcome == "replayed"
+    names = sorted(c["client"] for c in first.stats()["scheduler"]["clients"])
+    assert names[0] == "trainer" and names[1].startswith("trainer#")
+    first.close()
+    second.close()
+
+
+# --- leases and eviction -------------------------------------------------------------------------
+
+def test_a_leased_tensor_is_never_evicted_while_steps_cycle_through_the_tier(
+        store: PrefetchStore) -> None:
+    client = store.start().connect("trainer")
+    write_layers(client)
+    with client.get("layer0") as held:
+        address = held.data_ptr()
+        for _ in range(3):
+            step, _ = run_step(client, list(range(1, NUM_LAYERS)), compute_s=0.001)
+        # The view still reads the right bytes at the same address: its slice never moved.
+        assert held.data_ptr() == address
+        assert bool((held == 0.0).all())
+        (info,) = [i for i in client.list() if i.name == "layer0"]
+        assert "cpu" in info.tier
+    assert step.outcome == "replayed"
+    client.close()
+
+
+def test_prefetch_leaves_what_is_needed_sooner_in_the_tier(store: PrefetchStore) -> None:
+    # Two layers are read twice per step: early and again at the end. With a trace, eviction
+    # must keep them over layers that come back only in the next step, and a prefetch must never
+    # push them out (it would show as misses at their second use).
+    client = store.start().connect("trainer")
+    write_layers(client, count=16)
+    order = [0, 1] + list(range(2, 16)) + [0, 1]
+    run_step(client, order)
+    for _ in range(2):
+        step, before = run_step(client, order, checkpoint_after=6)
+        assert step.outcome == "replayed"
+        assert before is not None
+        rest = difference(scheduler_totals(client, "trainer"), before)
+        assert rest["misses"] == 0, rest
+        assert step.counters["prefetch_wasted_bytes"] == 0
+    client.close()
+
+
+# --- several clients ------------------------------------------------------------------------------
+
+def _steps_in_another_process(config: Any, name: str, namespace: str, num_steps: int,
+                              start: Any, results: Connection) -> None:
+    import infinity
+
+    client = infinity.connect(config=config, name=name)
+    try:
+        write_layers(client, namespace=namespace, count=16)
+        run_step(client, list(range(16)), namespace=namespace)  # record
+        start.wait()
+        began = time.monotonic()
+        reports = [run_step(client, list(range(16)), namespace=namespace, compute_s=0.0)[0]
+                   for _ in range(num_steps)]
+        results.send({"seconds": time.monotonic() - began,
+                      "stall_s": sum(r.counters["stall_s"] for r in reports),
+                      "disk_read_bytes": sum(r.counters["disk_read_bytes"] for r in reports),
+                      "outcomes": [r.outcome for r in reports]})
+    finally:
+        client.close()
+
+
+def test_two_clients_that_want_more_than_the_disk_share_it_fairly(store: PrefetchStore) -> None:
+    # No compute at all: each client asks as fast as it is served, so together they want far
+    # more than the engine reads (>= 1.5x of it). Neither may stall more than twice the other.
+    daemon = store.start()
+    start = SPAWN.Barrier(3)
+    pipes = [SPAWN.Pipe(duplex=False) for _ in range(2)]
+    processes = [SPAWN.Process(target=_steps_in_another_process,
+                               args=(daemon.config, f"rank{n}", f"job{n}", 8, start, pipes[n][1]))
+                 for n in range(2)]
+    for process in processes:
+        process.start()
+    start.wait(timeout=120)
+    results = [pipe[0].recv() if pipe[0].poll(120) else None for pipe in pipes]
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    assert all(r is not None for r in results), results
+    for result in results:
+        assert result["outcomes"] == ["replayed"] * 8
+        assert result["disk_read_bytes"] > 0
+    stalls = sorted(r["stall_s"] for r in results)
+    assert stalls[1] <= 2 * stalls[0], results
+
+
+# --- accounting -----------------------------------------------------------------------------------
+
+def test_stats_report_each_clients_stall_hits_bytes_and_bandwidth(store: PrefetchStore) -> None:
+    client = store.start().connect("trainer")
+    write_layers(client)
+    run_step(client, list(range(NUM_LAYERS)))
+    run_step(client, list(range(NUM_LAYERS)))
+    scheduler = client.stats()["scheduler"]
+    assert scheduler["read_bandwidth_bytes_per_s"] > 0 and scheduler["bandwidth_samples"] > 0
+    entry = scheduler_client(client, "trainer")
+    totals = entry["totals"]
+    layer_bytes = LAYER_SHAPE[0] * LAYER_SHAPE[1] * 4
+    assert totals["steps"] == 2 and totals["accesses"] == 2 * NUM_LAYERS
+    assert totals["bytes_got"] == 2 * NUM_LAYERS * layer_bytes
+    assert totals["prefetch_hits"] + totals["inflight_hits"] + totals["resident_hits"] \
+        + totals["misses"] == totals["accesses"]
+    assert totals["stall_s"] > 0 and totals["misses"] > 0  # the recorded step waited for the disk
+    assert totals["disk_read_bytes"] >= totals["misses"] * layer_bytes
+    assert entry["last_step"]["outcome"] == "replayed"
+    assert entry["last_step"]["got_bytes_per_s"] > 0
+    assert entry["state"] == "idle" and entry["trace_entries"] == NUM_LAYERS
+    client.close()
+
+
+def test_without_prefetch_a_replayed_step_waits_for_the_disk(store: PrefetchStore) -> None:
+    client = store.start(**{"scheduler.prefetch": False}).connect("trainer")
+    write_layers(client)
+    run_step(client, list(range(NUM_LAYERS)))
+    step, _ = run_step(client, list(range(NUM_LAYERS)))
+    assert step.outcome == "replayed"
+    assert step.counters["prefetch_hits"] == 0 and step.counters["prefetch_loads"] == 0
+    assert step.counters["misses"] >= NUM_LAYERS - 8
+    client.close()
+
+
+def test_a_step_on_a_daemon_without_nvme_is_untracked(client: Any) -> None:
+    client.put("w", torch.ones(3))
+    with client.step() as step:
+        with client.get("w"):
+            pass
+    assert step.outcome == "untracked"
+    assert client.stats()["scheduler"] is None
+
+
+def test_a_namespace_over_its_quota_is_evicted_first(store: PrefetchStore) -> None:
+    client = store.start(**{"scheduler.namespace_quota_bytes": {"capped": 3 * MiB}}).connect("t")
+    # The free namespace's tensors are the least recently used: without the quota, LRU would
+    # evict them first when the capped namespace fills the tier.
+    one_mib = torch.zeros(MiB // 4)
+    for i in range(3):
+        client.put(f"f{i}", one_mib + i, namespace="free")
+    for i in range(7):
+        client.put(f"c{i}", one_mib + i, namespace="capped")
+    resident = {i.name for i in client.list(namespace="free") if "cpu" in i.tier}
+    assert resident == {"f0", "f1", "f2"}  # the capped namespace made the room
+    namespaces = {n["namespace"]: n for n in client.stats()["scheduler"]["namespaces"]}
+    assert namespaces["capped"]["quota_bytes"] == 3 * MiB
+    client.close()
