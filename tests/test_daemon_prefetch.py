@@ -346,3 +346,16 @@ def test_a_namespace_over_its_quota_is_evicted_first(store: PrefetchStore) -> No
     namespaces = {n["namespace"]: n for n in client.stats()["scheduler"]["namespaces"]}
     assert namespaces["capped"]["quota_bytes"] == 3 * MiB
     client.close()
+
+
+def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore) -> None:
+    from test_monitor_top import run_top
+
+    daemon = store.start()
+    client = daemon.connect("trainer")
+    write_layers(client, count=12)
+    run_step(client, list(range(12)), compute_s=0.0)
+    result = run_top(daemon.config, "--once", "--interval-s", "0.2")
+    assert result.returncode == 0, result.stderr
+    assert "prefetch" in result.stdout and "trainer" in result.stdout and "idle" in result.stdout
+    client.close()

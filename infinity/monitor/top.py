@@ -1,4 +1,4 @@
-"""`infinity-top`: the node's daemon at a glance (tiers, clients, counters), drawn with rich.
+"""`infinity-top`: the node's daemon at a glance (tiers, clients, prefetch, counters), drawn with rich.
 
 Drawing only reads the collector's latest snapshot, so a slow or absent daemon
 never freezes the screen; a missing value is shown as "-".
@@ -47,13 +47,40 @@ def render(snapshot: Snapshot) -> Group:
         clients.add_column(column)
     for c in stats.get("clients", []):
         clients.add_row(*(str(c.get(k, "-")) for k in ("id", "name", "pid", "leases", "reservations", "idle_s")))
+    parts: list[Any] = [head, tiers, clients]
+    scheduler = stats.get("scheduler")
+    if isinstance(scheduler, dict):
+        parts.append(_scheduler_table(scheduler))
     counters = stats.get("counters", {})
     totals = Table(title="counters")
     totals.add_column("counter")
     totals.add_column("value")
     for key in ("requests", "items", "bytes_leased", "bytes_committed", "deferred_replies", "malformed"):
         totals.add_row(key, str(counters.get(key, "-")))
-    return Group(head, tiers, clients, totals)
+    parts.append(totals)
+    return Group(*parts)
+
+
+def _scheduler_table(scheduler: dict[str, Any]) -> Table:
+    """One row per client stream: its trace, where it finds its data, and how long it waited."""
+    bandwidth = scheduler.get("read_bandwidth_bytes_per_s")
+    title = "prefetch" + (f" (disk reads at {_mib(bandwidth)}/s)" if bandwidth else "")
+    table = Table(title=title)
+    for column in ("namespace", "client", "state", "steps", "trace", "hits", "in flight",
+                   "misses", "stall s", "lookahead"):
+        table.add_column(column)
+    for entry in scheduler.get("clients", []):
+        totals = entry.get("totals", {})
+        hits = (totals.get("prefetch_hits", 0) or 0) + (totals.get("resident_hits", 0) or 0)
+        stall = totals.get("stall_s")
+        table.add_row(str(entry.get("namespace", "-")), str(entry.get("client", "-")),
+                      str(entry.get("state", "-")) + ("" if entry.get("active") else " (gone)"),
+                      str(totals.get("steps", "-")), str(entry.get("trace_entries", "-")),
+                      str(hits), str(totals.get("inflight_hits", "-")),
+                      str(totals.get("misses", "-")),
+                      f"{stall:.3f}" if isinstance(stall, (int, float)) else "-",
+                      _mib(entry.get("lookahead_bytes")))
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
