@@ -789,7 +789,8 @@ class Daemon:
             scheduler.client_gone(stream, now)
             if self._stream_owners.get(stream) == session.id:
                 del self._stream_owners[stream]
-            self._save_trace(stream)  # with the timing its replayed steps refined
+            if scheduler.export_trace(stream) is not None:
+                self._save_trace(stream)  # with the timing its replayed steps refined
         session.streams.clear()
         self._plan_due = True
 
