@@ -194,6 +194,9 @@ class SchedulerConfig:
     bandwidth_sample_min_s: float = 0.005
     bandwidth_sample_max_s: float = 0.1
     initial_read_bandwidth_bytes_per_s: float = 1.0 * GiB
+    # A plan looks at most this many trace entries ahead of each client's cursor (it runs on
+    # the daemon's loop after every get: its cost must stay bounded however long the trace).
+    lookahead_max_entries: int = 1024
     # How fast a trace's timing follows the steps that replay it.
     trace_timing_ewma_alpha: float = 0.25
     # A step with more accesses than this is not traced.
@@ -228,6 +231,8 @@ class SchedulerConfig:
         _require(0 < self.trace_timing_ewma_alpha <= 1,
                  "scheduler.trace_timing_ewma_alpha must be above 0 and at most 1")
         _require(self.trace_max_entries >= 1, "scheduler.trace_max_entries must be positive")
+        _require(1 <= self.lookahead_max_entries <= 1_000_000,
+                 "scheduler.lookahead_max_entries must be between 1 and 1000000")
         names = [name for name, _ in self.namespace_quota_bytes]
         _require(len(set(names)) == len(names), "scheduler.namespace_quota_bytes names a namespace twice")
         for name, quota in self.namespace_quota_bytes:
@@ -324,14 +329,20 @@ def _quota_pairs(where: str, raw: Any, *, from_text: bool) -> tuple[tuple[str, i
         for part in (p.strip() for p in str(raw).split(",")):
             if not part:
                 continue
-            name, sep, number = part.partition("=")
+            name, sep, number = part.rpartition("=")
             _require(bool(sep) and bool(name.strip()),
                      f"{where} must look like name=bytes,name=bytes, not {raw!r}")
             pairs.append((name.strip(), int(number.strip().replace("_", ""), 0)))
-    else:
-        _require(isinstance(raw, dict), f"{where} must be a table of namespace = bytes")
+    elif isinstance(raw, dict):
         pairs = list(raw.items())
+    else:
+        _require(isinstance(raw, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in raw),
+            f"{where} must be a table of namespace = bytes")
+        pairs = [(p[0], p[1]) for p in raw]
     for name, number in pairs:
+        _require(isinstance(name, str) and "," not in name and "=" not in name,
+                 f"{where}: namespace {name!r} cannot have a quota here (no ',' or '=' in its name)")
         _require(isinstance(number, int) and not isinstance(number, bool),
                  f"{where}: the quota of {name!r} must be an integer byte count")
     return tuple(sorted(pairs))

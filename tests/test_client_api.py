@@ -136,3 +136,14 @@ def test_client_and_protocol_never_import_the_daemon() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=clean_environment(), timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_default_client_name_carries_the_rank_of_a_distributed_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from infinity.client.client import _default_name
+
+    monkeypatch.setattr("sys.argv", ["/opt/jobs/train.py"])
+    monkeypatch.delenv("RANK", raising=False)
+    assert _default_name() == "train.py"
+    monkeypatch.setenv("RANK", "3")  # torchrun: each rank keeps its own step trace
+    assert _default_name() == "train.py-rank3"

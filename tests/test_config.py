@@ -67,3 +67,23 @@ def test_malformed_flag_is_an_error() -> None:
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+def test_namespace_quotas_read_the_same_from_a_file_the_environment_and_flags(tmp_path: Path) -> None:
+    from infinity.client.launch import settings_as_flags
+
+    path = write(tmp_path, '[scheduler]\nnamespace_quota_bytes = { weights = 4096, optim = 8192 }\n')
+    from_file = load_config(path, env={})
+    from_env = load_config(env={"INFINITY_SCHEDULER_NAMESPACE_QUOTA_BYTES": "optim=8192,weights=0x1000"})
+    assert from_file.scheduler.namespace_quota_bytes == (("optim", 8192), ("weights", 4096))
+    assert from_env.scheduler == from_file.scheduler
+    # What connect(start=True) passes to the daemon it starts reads back the same.
+    flags = [f for f in settings_as_flags(from_file) if f != "--set"]
+    assert load_config(env={}, overrides=flags).scheduler == from_file.scheduler
+    assert from_file.scheduler.quota_bytes("weights") == 4096
+
+
+@pytest.mark.parametrize("text", ["weights", "=4096", "a,b=4096", "weights=lots", "weights=-1"])
+def test_a_malformed_namespace_quota_is_an_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="namespace_quota_bytes"):
+        load_config(env={}, overrides=[f"scheduler.namespace_quota_bytes={text}"])

@@ -62,6 +62,8 @@ TensorSpec = Union[torch.Tensor, tuple[torch.dtype, Sequence[int]]]
 Names = Union[str, Sequence[str]]
 
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+# Released shared leases wait for the next message up to this many, then go at once.
+MAX_PENDING_RELEASES = 4096
 
 
 @dataclasses.dataclass
@@ -77,8 +79,6 @@ class StepResult:
     @property
     def counters(self) -> dict[str, Any]:
         return {} if self.report is None else self.report.counters
-# Released shared leases wait for the next message up to this many, then go at once.
-MAX_PENDING_RELEASES = 4096
 
 
 def _after_fork_in_child() -> None:
@@ -622,15 +622,27 @@ class Client:
         self._raise_first([result])
         return wire.StepReport.from_wire(result)
 
+    def step_abort(self, *, namespace: str = "default") -> None:
+        """Drop the step under way (it failed halfway): its accesses neither become a trace nor
+        count against the one being replayed, which stays."""
+        (result,) = self._call(wire.Step(namespace, "abort"))
+        self._raise_first([result])
+
     @contextlib.contextmanager
     def step(self, *, namespace: str = "default") -> Iterator[StepResult]:
-        """`with client.step() as step:` marks one step; `step.report` is set when it ends."""
+        """`with client.step() as step:` marks one step; `step.report` is set when it ends.
+        A step whose body raises is aborted (see `step_abort`), and the exception goes on."""
         result = StepResult()
         self.step_begin(namespace=namespace)
         try:
             yield result
-        finally:
-            result.report = self.step_end(namespace=namespace)
+        except BaseException:
+            try:
+                self.step_abort(namespace=namespace)
+            except InfinityError:
+                pass  # the body's exception is the one that matters (the daemon may be gone)
+            raise
+        result.report = self.step_end(namespace=namespace)
 
     def stats(self) -> dict[str, Any]:
         """The daemon's counters: tiers, catalog, clients, requests."""
@@ -695,7 +707,11 @@ def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _default_name() -> str:
-    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    """The program's name, with the rank under torch.distributed launchers (RANK), so that each
+    process of a job keeps its own step trace across restarts."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    rank = os.environ.get("RANK")
+    return f"{name}-rank{rank}" if rank and rank.isdigit() else name
 
 
 def connect(*, config: InfinityConfig | None = None, start: bool = False,

@@ -216,6 +216,16 @@ class _ReadMeter:
             self._mark_s = now_s  # idle time is not the disk's slowness
         self._busy += 1
 
+    def cancelled(self, now_s: float) -> None:
+        """A load that never read (dropped before its I/O): its time counts only while other
+        loads were running."""
+        if self._busy == 0:
+            return
+        if self._busy > 1:
+            self._busy_s += max(0.0, now_s - self._mark_s)
+        self._mark_s = now_s
+        self._busy -= 1
+
     def finished(self, nbytes: int, now_s: float) -> None:
         if self._busy == 0:
             return
@@ -408,6 +418,31 @@ class Scheduler:
         self._sync_index(s)
         return ended
 
+    def step_abort(self, stream: StreamKey, now_s: float) -> None:
+        """The step under way failed halfway: drop it; the trace (if any) stays as it was."""
+        s = self._streams.get(stream)
+        if s is None or s.state is _State.IDLE:
+            return
+        s.state = _State.IDLE
+        s.replay = None
+        s.recorder = None
+        s.step_ended_s = now_s
+        self._sync_index(s)
+
+    def remove_stream(self, stream: StreamKey) -> None:
+        """Forget a stream altogether (one that cannot come back: its trace is not kept)."""
+        s = self._streams.pop(stream, None)
+        if s is None:
+            return
+        self._drop_index(s)
+        self._served.pop(stream, None)
+        self._planned = {key: owner for key, owner in self._planned.items() if owner != stream}
+
+    def trace_of(self, stream: StreamKey) -> Trace | None:
+        """The stream's trace (immutable: safe to serialize on another thread)."""
+        s = self._streams.get(stream)
+        return None if s is None else s.trace
+
     def step_end(self, stream: StreamKey, now_s: float) -> StepSummary:
         """A step ends: adopt what it recorded, or refresh / drop the trace it replayed."""
         s = self._stream(stream)
@@ -592,11 +627,9 @@ class Scheduler:
 
     def load_finished(self, key: TensorKey, now_s: float, *, ok: bool = True) -> None:
         """The read of `key` completed (`ok=False`: it failed; the tensor is not resident)."""
-        load = self._inflight.pop(key, None)
+        load = self._end_load(key)
         if load is None:
             return
-        self._inflight_bytes -= load.nbytes
-        self._add_namespace_bytes(key, -load.nbytes)
         self._meter.finished(load.nbytes if ok else 0, now_s)
         if not ok:
             return
@@ -606,6 +639,27 @@ class Scheduler:
         s = self._streams.get(load.stream) if load.stream is not None else None
         if s is not None:
             s.add("disk_read_bytes", load.nbytes)
+
+    def load_cancelled(self, key: TensorKey, now_s: float) -> None:
+        """A load reported by `load_started` was dropped before it read anything (a prefetch
+        that found no room): as if it had not started."""
+        load = self._end_load(key)
+        if load is None:
+            return
+        self._meter.cancelled(now_s)
+        if load.stream is not None:
+            self._served[load.stream] = self._served.get(load.stream, 0) - load.nbytes
+            s = self._streams.get(load.stream)
+            if s is not None and load.prefetch:
+                s.add("prefetch_loads", -1)
+                s.add("prefetch_bytes", -load.nbytes)
+
+    def _end_load(self, key: TensorKey) -> _Load | None:
+        load = self._inflight.pop(key, None)
+        if load is not None:
+            self._inflight_bytes -= load.nbytes
+            self._add_namespace_bytes(key, -load.nbytes)
+        return load
 
     def evicted(self, key: TensorKey, now_s: float) -> None:
         """`key` left the tier (evicted, replaced or deleted). `policy.forget` does the same."""
@@ -1016,7 +1070,8 @@ class Scheduler:
         n = len(entries)
         cap = self._window_cap_bytes(n_streams)
         sizes, resident, inflight = self._sizes, self._resident, self._inflight  # hot loop: locals
-        steps = n if self.config.prefetch_across_steps else n - cursor
+        steps = min(n if self.config.prefetch_across_steps else n - cursor,
+                    self.config.lookahead_max_entries)
         seen: set[TensorKey] = set()
         window = 0  # upcoming distinct reads, resident or not: what the stream holds in the tier
         loading = 0  # of which not resident: disk work ahead of the cursor
@@ -1275,7 +1330,7 @@ class Scheduler:
 class NextUsePolicy:
     """The scheduler as an eviction policy: `infinity.daemon.policy.EvictionPolicy`, like LruPolicy.
 
-    The tier manager is built with `policy=scheduler.policy` and keeps calling
+    The tier manager is built with `scheduler=` and uses this as its policy, calling
     what it calls on LruPolicy: `touched` when a tensor is resident and used
     (published, leased, loaded), `forget` when it leaves the tier,
     `choose_victims` when it needs room. Each is O(log n) or better but for

@@ -6,6 +6,11 @@ catalog. It runs entirely on the event loop's thread: decode a request
 encode the reply. Every request is answered item by item; a malformed request
 gets a typed error reply and the loop goes on.
 
+With an NVMe tier it also owns the scheduler (`infinity.daemon.scheduler`): it
+maps each client's accesses and `step` markers to the scheduler's streams, saves
+their traces in the store's index, and once per loop turn with news starts the
+loads the scheduler plans.
+
 Requests that need work off the loop are answered later, never waited for: a
 `reserve` that needs CPU space (a new segment, or victims being written back)
 is parked and resumes where it stopped; a `get` of tensors that are only on
@@ -32,7 +37,8 @@ from infinity.daemon.arena import CpuArena, SpaceShortage
 from infinity.daemon.catalog import Catalog, Version
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
-from infinity.daemon.scheduler import Scheduler, StreamKey
+from infinity.daemon.scheduler import AccessKind, Scheduler, StreamKey
+from infinity.daemon.trace import Trace
 from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
 from infinity.daemon.streams import StreamTable
 from infinity.daemon.tiers import TierManager
@@ -43,6 +49,8 @@ from infinity.protocol.wire import ItemError, Placement, ReserveItem, StreamInfo
 
 log = logging.getLogger("infinityd")
 
+# How long gets that found everything resident may wait for the next prefetch plan.
+LAZY_PLAN_DELAY_S = 0.002
 # Messages served per wake-up before the loop looks at its other fds again.
 ROUTER_BATCH = 256
 HWM_MESSAGES = 100_000
@@ -116,7 +124,9 @@ class Daemon:
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
         self._stream_owners: dict[StreamKey, int] = {}  # stream -> the live session that holds it
+        self._saved_traces: dict[StreamKey, Trace | None] = {}  # what the index holds, by stream
         self._plan_due = False
+        self._plan_timer = False  # a lazy plan is scheduled (see _get)
         if self.scheduler is not None:
             self._restore_traces()
             self.tiers.on_change = self._plan_soon
@@ -185,6 +195,8 @@ class Daemon:
         self.loop.stop()
 
     def close(self) -> None:
+        for session in list(self.sessions):
+            self._streams_gone(session)  # traces refined since they were last saved
         self._closing = True
         # First let the I/O and index work in flight finish: flushes that complete are still
         # answered, and nothing is freed under the engine.
@@ -401,15 +413,16 @@ class Daemon:
         scheduler = self.scheduler
         stream: StreamKey | None = None
         now = 0.0
+        plan_now = False
         if scheduler is not None:
             now = time.monotonic()
-            self._plan_due = True
         for outcome in outcomes:
             if type(outcome) is Version:
                 if scheduler is not None:
                     # Before any load starts, so that a miss counts as one.
                     stream = self._stream_of(session, outcome.key[0])
-                    scheduler.touched(stream, outcome.key, outcome.nbytes, now)
+                    kind = scheduler.touched(stream, outcome.key, outcome.nbytes, now)
+                    plan_now = plan_now or kind is not AccessKind.RESIDENT_HIT
                 if outcome.cpu is None and outcome.nbytes:
                     if missing is None:
                         missing = []
@@ -420,6 +433,10 @@ class Daemon:
                 nbytes += outcome.nbytes
             else:
                 results.append(self._item_error(session, outcome))  # type: ignore[arg-type]
+        if plan_now:
+            self._plan_due = True
+        elif scheduler is not None:
+            self._plan_lazily()
         counters = session.counters
         counters.gets += len(outcomes)
         counters.items += len(outcomes)
@@ -747,13 +764,19 @@ class Daemon:
     def _step(self, session: Session, identity: bytes, request_id: int,
               body: Sequence[Any]) -> None:
         message = wire.Step.from_body(body)
-        session.counters.steps += message.phase == "begin"
+        if message.phase == "begin":
+            session.counters.steps += 1
         scheduler = self.scheduler
         if scheduler is None:
             report = wire.StepReport("untracked", 0, {})
             self._reply(identity, request_id, [report.to_wire() if message.phase == "end" else None])
             return
         now = time.monotonic()
+        if message.phase == "abort":
+            scheduler.step_abort(self._stream_of(session, message.namespace), now)
+            self._plan_due = True
+            self._reply(identity, request_id, [None])
+            return
         if message.phase == "begin":
             if session.step_namespace not in (None, message.namespace):
                 # A step in another namespace was left open: it ends here.
@@ -789,16 +812,23 @@ class Daemon:
             scheduler.client_gone(stream, now)
             if self._stream_owners.get(stream) == session.id:
                 del self._stream_owners[stream]
-            if scheduler.export_trace(stream) is not None:
+            if "#" in stream[1]:
+                scheduler.remove_stream(stream)  # never saved: nobody can come back to it
+            else:
                 self._save_trace(stream)  # with the timing its replayed steps refined
         session.streams.clear()
         self._plan_due = True
 
     def _save_trace(self, stream: StreamKey) -> None:
-        """Persist a stream's trace in the store's index (None: forget it), in the background."""
+        """Persist a stream's trace in the store's index (None: forget it), in the background,
+        unless the index already holds this very trace."""
         index = self.tiers.index
         if index is None or self.scheduler is None or "#" in stream[1] or self._closing:
             return  # a "#<id>" stream lives only as long as its session
+        trace = self.scheduler.trace_of(stream)
+        if self._saved_traces.get(stream) is trace:
+            return  # unchanged (or never had one): no index transaction
+        self._saved_traces[stream] = trace
 
         def saved(future: Future[None]) -> None:
             if future.exception() is not None:
@@ -806,7 +836,8 @@ class Daemon:
                             future.exception())
 
         try:
-            index.save_trace(stream[0], stream[1], self.scheduler.export_trace(stream), on_done=saved)
+            index.save_trace(stream[0], stream[1], None if trace is None else trace.to_dict,
+                             on_done=saved)
         except InfinityError as exc:
             log.warning("the trace of client %r in %r was not saved: %s", stream[1], stream[0], exc)
 
@@ -818,6 +849,7 @@ class Daemon:
         for namespace, client, data in index.load_traces():
             try:
                 self.scheduler.import_trace((namespace, client), data)
+                self._saved_traces[(namespace, client)] = self.scheduler.trace_of((namespace, client))
                 restored += 1
             except ValueError as exc:
                 log.warning("the stored trace of client %r in %r is not used: %s", client,
@@ -827,6 +859,20 @@ class Daemon:
 
     def _plan_soon(self) -> None:
         self._plan_due = True
+
+    def _plan_lazily(self) -> None:
+        """After gets that all found their data resident: the plan may have moved on by an entry,
+        but it is not urgent. Plan within a few milliseconds, not after every such get (a
+        client reading resident tensors in a loop would otherwise pay for a plan each time)."""
+        if self._plan_timer or self._plan_due:
+            return
+        self._plan_timer = True
+
+        def due() -> None:
+            self._plan_timer = False
+            self._plan_due = True
+
+        self.loop.call_later(LAZY_PLAN_DELAY_S, due)
 
     def _plan_prefetch(self) -> None:
         """Once per loop turn with news: start the loads the scheduler plans (before waiting)."""

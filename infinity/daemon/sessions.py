@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from infinity.daemon.trace import StreamKey
 from infinity.protocol.wire import Hello
 
 # psutil computes a start time from the same boot time and tick count in every process,
@@ -71,7 +72,7 @@ class Session:
     alive: bool = True
     # The scheduler's streams of this client, by tensor namespace: (namespace, client name),
     # or a name with a "#<session id>" suffix while another live session holds that stream.
-    streams: dict[str, tuple[str, str]] = field(default_factory=dict)
+    streams: dict[str, StreamKey] = field(default_factory=dict)
     # The namespace of the step the client marked last: its accesses in every namespace
     # belong to that step's trace.
     step_namespace: str | None = None

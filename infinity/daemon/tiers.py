@@ -303,7 +303,8 @@ class TierManager:
             self._release_copy(copy)
 
     def touched(self, version: Version) -> None:
-        """A get used a resident version (the policy's recency)."""
+        """A resident version was used (the policy's recency; with a scheduler, the server
+        reports gets to the scheduler itself)."""
         self.policy.touched(version.key, version.nbytes)
 
     # --- CPU space ---------------------------------------------------------------------
@@ -425,7 +426,9 @@ class TierManager:
         error_before = self.write_error
         victims: list[Key] | None
         if prefetch_of is not None and self.scheduler is not None:
-            victims = self.scheduler.victims_for_prefetch(prefetch_of, self.candidates, nbytes)
+            free = self.arena.budget_bytes - self.arena.used_bytes
+            victims = self.scheduler.victims_for_prefetch(
+                prefetch_of, self.candidates, nbytes - free if 0 < free < nbytes else nbytes)
             if victims is None:
                 return _NOTHING  # everything that could go is needed before the prefetched tensor
             ahead = 0
@@ -671,10 +674,23 @@ class TierManager:
                 or self._closing):
             return False
         if version.loading is None:
+            if self.scheduler is not None and not self._room_for_prefetch(version):
+                self.counters.prefetches_skipped += 1
+                return False
             self.counters.prefetches += 1
             self.counters.prefetch_bytes += version.nbytes
             self._continue_load(self._new_load(version, prefetch=True))
         return True
+
+    def _room_for_prefetch(self, version: Version) -> bool:
+        """Free space, or tensors needed later than this one to evict: checked before a load
+        starts, so that a prefetch without room costs nothing and is not retried every turn."""
+        assert self.scheduler is not None
+        free = self.arena.budget_bytes - self.arena.used_bytes
+        if free >= version.nbytes:
+            return True
+        return self.scheduler.victims_for_prefetch(version.key, self.candidates,
+                                                   version.nbytes - free) is not None
 
     def _check_fits(self, version: Version) -> None:
         if version.nbytes > self.arena.budget_bytes:
@@ -697,6 +713,10 @@ class TierManager:
     def _continue_load(self, load: _Load) -> None:
         version = load.version
         nvme = self.nvme
+        if load.prefetch and not load.waiters and not version.current:
+            # Replaced or deleted while it waited for space: nobody will read it.
+            self._loaded(load, IOEngineError("prefetch of a replaced version"), skipped=True)
+            return
         if self._closing or nvme is None or version.nvme is None:
             self._loaded(load, IOEngineError(
                 "infinityd is stopping" if self._closing else
@@ -742,11 +762,21 @@ class TierManager:
         version = load.version
         version.loading = None
         version.pins -= 1
-        if self.scheduler is not None:
+        scheduler = self.scheduler
+        if scheduler is not None:
             # Before the policy's touched() below: the scheduler must see the load end first.
-            self.scheduler.load_finished(version.key, time.monotonic(),
-                                         ok=error is None and version.current)
-        self.on_change()
+            if skipped:
+                scheduler.load_cancelled(version.key, time.monotonic())
+            else:
+                scheduler.load_finished(version.key, time.monotonic(),
+                                        ok=error is None and version.current)
+            current = self.resident.get(version.key)
+            if current is not None and current is not version:
+                # A newer version was published while this one loaded; the scheduler could not
+                # take it as resident then (the key was loading).
+                self.policy.touched(current.key, current.nbytes)
+        if not skipped:
+            self.on_change()  # a dropped prefetch changes nothing: no new plan for it
         if error is None:
             assert load.piece is not None
             version.cpu = load.piece

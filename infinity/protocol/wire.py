@@ -539,7 +539,7 @@ class ListTensors:
         return cls(_items(body, "list", ListItem))
 
 
-STEP_PHASES = ("begin", "end")
+STEP_PHASES = ("begin", "end", "abort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,12 +549,13 @@ class Step:
     The client's accesses between a begin and an end, in this namespace's trace
     for this client name, are the step that later steps are expected to repeat.
     Answered with one result: a StepReport of the step that ended (an end, or a
-    begin that ended a step left open), else None.
+    begin that ended a step left open), else None. An abort drops the step under
+    way (it failed halfway) and keeps the trace; its result is None.
     """
 
     OP: ClassVar[str] = "step"
     namespace: str
-    phase: str  # "begin" | "end"
+    phase: str  # "begin" | "end" | "abort"
 
     def body(self) -> list[Any]:
         return [self.namespace, self.phase]
@@ -567,7 +568,8 @@ class Step:
             raise ProtocolError(f"malformed step: the namespace must have 1 to "
                                 f"{MAX_NAMESPACE_CHARS} characters")
         if phase not in STEP_PHASES:
-            raise ProtocolError(f"malformed step: the phase must be 'begin' or 'end', not {phase!r}")
+            raise ProtocolError(f"malformed step: the phase must be 'begin', 'end' or 'abort', "
+                                f"not {phase!r}")
         return cls(namespace, phase)
 
 

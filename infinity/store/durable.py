@@ -235,12 +235,14 @@ class DurableIndex:
 
         return self._submit(job, on_done)
 
-    def save_trace(self, namespace: str, client: str, trace: Any, *,
+    def save_trace(self, namespace: str, client: str, trace: Callable[[], Any] | None, *,
                    on_done: Callable[[Future[None]], None] | None = None) -> Future[None]:
-        """Store (or, for None, forget) the step trace of a (namespace, client name)."""
-        text = None if trace is None else json.dumps(trace, separators=(",", ":"))
+        """Store (or, for None, forget) the step trace of a (namespace, client name). `trace`
+        makes its plain data; it is called on the writer thread, as a long trace takes a while
+        to turn into JSON."""
 
         def job() -> None:
+            text = None if trace is None else json.dumps(trace(), separators=(",", ":"))
             with _Transaction(self._db, path=self.path) as db:
                 if text is None:
                     db.execute("DELETE FROM traces WHERE namespace = ? AND client = ?",
