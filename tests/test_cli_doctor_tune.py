@@ -74,3 +74,19 @@ def test_tune_refuses_a_missing_directory(disk_tmp: str) -> None:
     result = infinity_cli("tune", "--quick", "--dry-run", str(Path(disk_tmp) / "absent"))
     assert result.returncode == 2
     assert "not a directory" in result.stderr
+
+
+def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU tier is memfd shared memory: shmem_enabled decides, not the anonymous-memory
+    # setting. Sysfs is read through doctor._read, replaced here: the machine's own setting
+    # is not something a test should change.
+    from infinity.cli import doctor
+
+    files = {"/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never",
+             "/proc/meminfo": "HugePages_Total:       0\n"}
+    monkeypatch.setattr(doctor, "_read", lambda path: files.get(path))
+    files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
+    finding = doctor.check_hugepages()
+    assert finding.status == "warn" and "shmem_enabled" in finding.advice
+    files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size [advise] never deny force"
+    assert doctor.check_hugepages().status == "ok"
