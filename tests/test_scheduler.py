@@ -116,6 +116,22 @@ def test_lookahead_is_capped_by_a_fraction_of_the_tier() -> None:
     assert sched.lookahead_bytes(TRAINER) == 16 * MiB
 
 
+def test_time_a_load_waits_for_space_is_not_counted_as_disk_time() -> None:
+    sched = scheduler(initial_read_bandwidth_bytes_per_s=1 * GiB)
+    sched.load_started(k(0), 100 * MiB, 1.0, prefetch=False, reading=False)
+    sched.read_started(k(0), 5.0)  # four seconds waiting for room in the tier, then the read
+    sched.load_finished(k(0), 5.1)
+    assert sched.read_bandwidth_bytes_per_s == pytest.approx(1000 * MiB, rel=0.01)
+
+
+def test_a_load_cancelled_before_its_read_leaves_the_bandwidth_alone() -> None:
+    sched = scheduler(initial_read_bandwidth_bytes_per_s=1 * GiB)
+    sched.load_started(k(0), 100 * MiB, 1.0, prefetch=True, reading=False)
+    sched.load_cancelled(k(0), 3.0)
+    assert sched.read_bandwidth_bytes_per_s == 1 * GiB
+    assert sched.snapshot()["inflight_bytes"] == 0
+
+
 def test_read_bandwidth_is_measured_from_completed_loads() -> None:
     sched = scheduler(initial_read_bandwidth_bytes_per_s=1 * GiB, bandwidth_ewma_alpha=0.5)
     # Two loads in flight together: 200 MiB in 0.1 s of busy time is 2000 MiB/s, whatever each took.

@@ -164,6 +164,7 @@ class _Load:
     prefetch: bool
     stream: StreamKey | None
     used: bool = False  # accessed while in flight (an in-flight hit): not a prefetch hit later
+    reading: bool = True  # its read was submitted (the bandwidth meter counts its time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,11 +602,14 @@ class Scheduler:
     # --- the tier, as the daemon reports it ------------------------------------------
 
     def load_started(self, key: TensorKey, nbytes: int, now_s: float, *, prefetch: bool,
-                     stream: StreamKey | None = None) -> None:
-        """The daemon submitted a read of `key` from NVMe into the tier.
+                     stream: StreamKey | None = None, reading: bool = True) -> None:
+        """The daemon started a load of `key` from NVMe into the tier.
 
         `prefetch`: it came from `plan_prefetch` (its stream is then known from
         the plan); otherwise it is a demand load for `stream`'s miss.
+        `reading=False`: the read itself is not submitted yet (the load waits for
+        space first); `read_started` says when it is, so that waiting for space
+        does not count as disk time in the bandwidth estimate.
         """
         if key in self._inflight:
             return
@@ -613,11 +617,12 @@ class Scheduler:
             stream = self._planned.get(key)
         self._planned.pop(key, None)
         self._drop_resident(key)  # a reload replaces whatever the tier had
-        self._inflight[key] = _Load(nbytes, prefetch, stream)
+        self._inflight[key] = _Load(nbytes, prefetch, stream, reading=reading)
         self._inflight_bytes += nbytes
         self._add_namespace_bytes(key, nbytes)
         self._sizes[key] = nbytes
-        self._meter.started(now_s)
+        if reading:
+            self._meter.started(now_s)
         if stream is not None:
             self._served[stream] = self._served.get(stream, 0) + nbytes
         s = self._streams.get(stream) if stream is not None else None
@@ -630,7 +635,8 @@ class Scheduler:
         load = self._end_load(key)
         if load is None:
             return
-        self._meter.finished(load.nbytes if ok else 0, now_s)
+        if load.reading:
+            self._meter.finished(load.nbytes if ok else 0, now_s)
         if not ok:
             return
         unused_prefetch = load.prefetch and not load.used
@@ -640,13 +646,21 @@ class Scheduler:
         if s is not None:
             s.add("disk_read_bytes", load.nbytes)
 
+    def read_started(self, key: TensorKey, now_s: float) -> None:
+        """The read of a load started with `reading=False` was submitted to the engine."""
+        load = self._inflight.get(key)
+        if load is not None and not load.reading:
+            load.reading = True
+            self._meter.started(now_s)
+
     def load_cancelled(self, key: TensorKey, now_s: float) -> None:
         """A load reported by `load_started` was dropped before it read anything (a prefetch
         that found no room): as if it had not started."""
         load = self._end_load(key)
         if load is None:
             return
-        self._meter.cancelled(now_s)
+        if load.reading:
+            self._meter.cancelled(now_s)
         if load.stream is not None:
             self._served[load.stream] = self._served.get(load.stream, 0) - load.nbytes
             s = self._streams.get(load.stream)

@@ -707,7 +707,7 @@ class TierManager:
         version.pins += 1
         if self.scheduler is not None:
             self.scheduler.load_started(version.key, version.nbytes, time.monotonic(),
-                                        prefetch=prefetch, stream=stream)
+                                        prefetch=prefetch, stream=stream, reading=False)
         return load
 
     def _continue_load(self, load: _Load) -> None:
@@ -746,6 +746,8 @@ class TierManager:
         except InfinityError as exc:
             self._loaded(load, exc)
             return
+        if self.scheduler is not None:
+            self.scheduler.read_started(version.key, time.monotonic())
         future.add_done_callback(lambda done: self._read_done(load, done))
 
     def _read_done(self, load: _Load, future: IOFuture) -> None:
