@@ -368,8 +368,11 @@ def test_a_namespace_over_its_quota_is_evicted_first(store: PrefetchStore) -> No
     client.close()
 
 
-def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore) -> None:
+def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from test_monitor_top import run_top
+
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that rich does not shorten the cells
 
     daemon = store.start()
     client = daemon.connect("trainer")
@@ -377,5 +380,8 @@ def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore) -> None:
     run_step(client, list(range(12)), compute_s=0.0)
     result = run_top(daemon.config, "--once", "--interval-s", "0.2")
     assert result.returncode == 0, result.stderr
-    assert "prefetch" in result.stdout and "trainer" in result.stdout and "idle" in result.stdout
+    # The prefetch table's row: namespace, client, state, 1 step, a trace of 12 accesses.
+    rows = [line.split("│") for line in result.stdout.splitlines() if "trainer" in line]
+    cells = [[cell.strip() for cell in row] for row in rows]
+    assert any(row[1:6] == ["default", "trainer", "idle", "1", "12"] for row in cells), result.stdout
     client.close()

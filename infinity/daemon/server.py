@@ -533,27 +533,16 @@ class Daemon:
     def _commit(self, session: Session, identity: bytes, request_id: int,
                 body: Sequence[Any]) -> None:
         message = wire.Commit.from_body(body)
-        results: list[Any] = []
-        for item in message.items:
-            try:
-                version = self.catalog.commit(session.id, item.namespace, item.name)
-            except InfinityError as exc:
-                results.append(self._item_error(session, exc))
-                continue
-            self._wrote(session, version)
-            results.append(version.stamp)
-            session.counters.commit_bytes += version.nbytes
-            self.counters.bytes_committed += version.nbytes
-        session.counters.commits += len(message.items)
+        results, _ = self._publish(session, message.items)
         self._reply(identity, request_id, results)
 
-    def _commit_durable(self, session: Session, identity: bytes, request_id: int,
-                        body: Sequence[Any]) -> None:
-        message = wire.CommitDurable.from_body(body)
-        self.tiers.require_durable()  # before anything is published
+    def _publish(self, session: Session, items: Sequence[wire.TensorRef]
+                 ) -> tuple[list[Any], list[tuple[int, Version]]]:
+        """Commit each item of a commit request: the results (version or error, item by item)
+        and the (result index, version) of those that were published."""
         results: list[Any] = []
         committed: list[tuple[int, Version]] = []
-        for item in message.items:
+        for item in items:
             try:
                 version = self.catalog.commit(session.id, item.namespace, item.name)
             except InfinityError as exc:
@@ -564,7 +553,14 @@ class Daemon:
             results.append(version.stamp)
             session.counters.commit_bytes += version.nbytes
             self.counters.bytes_committed += version.nbytes
-        session.counters.commits += len(message.items)
+        session.counters.commits += len(items)
+        return results, committed
+
+    def _commit_durable(self, session: Session, identity: bytes, request_id: int,
+                        body: Sequence[Any]) -> None:
+        message = wire.CommitDurable.from_body(body)
+        self.tiers.require_durable()  # before anything is published
+        results, committed = self._publish(session, message.items)
         if not committed:
             self._reply(identity, request_id, results)
             return
