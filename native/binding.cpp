@@ -27,12 +27,12 @@ infinity::OpSpec parse_op(const py::handle& item, size_t i) {
     t = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
   } catch (const py::cast_error&) {
     throw py::type_error("op " + std::to_string(i) + " is not a tuple; each op is (is_write, fd, buf_addr, "
-                         "nbytes, file_offset, direct, crc_addr, crc_block_bytes)");
+                         "nbytes, file_offset, direct, crc_addr, crc_block_bytes[, staged])");
   }
-  if (t.size() != 8)
+  if (t.size() != 8 && t.size() != 9)
     throw py::value_error("op " + std::to_string(i) + " has " + std::to_string(t.size()) +
-                          " fields, not 8; each op is (is_write, fd, buf_addr, nbytes, file_offset, direct, crc_addr, "
-                          "crc_block_bytes)");
+                          " fields, not 8 or 9; each op is (is_write, fd, buf_addr, nbytes, file_offset, direct, "
+                          "crc_addr, crc_block_bytes[, staged])");
   try {
     infinity::OpSpec s;
     s.is_write = t[0].cast<bool>();
@@ -43,10 +43,11 @@ infinity::OpSpec parse_op(const py::handle& item, size_t i) {
     s.direct = t[5].cast<bool>();
     s.crc_addr = t[6].cast<uint64_t>();
     s.crc_block_bytes = t[7].cast<int64_t>();
+    if (t.size() == 9) s.staged = t[8].cast<bool>();
     return s;
   } catch (const py::cast_error&) {
     throw py::type_error("op " + std::to_string(i) + " has a field of the wrong type: " +
-                         py::str(item).cast<std::string>() + " (expected bool, int, int, int, int, bool, int, int)");
+                         py::str(item).cast<std::string>() + " (expected bool, int, int, int, int, bool, int, int[, bool])");
   }
 }
 
@@ -153,11 +154,13 @@ PYBIND11_MODULE(_native, m) {
       });
 
   py::class_<infinity::Engine>(m, "Engine")
-      .def(py::init<int, int, int64_t, const std::string&>(), "num_threads"_a, "queue_depth"_a,
-           "block_size_bytes"_a, "backend"_a = "auto", py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, int, int64_t, const std::string&, int64_t>(), "num_threads"_a, "queue_depth"_a,
+           "block_size_bytes"_a, "backend"_a = "auto", "staging_bytes"_a = int64_t(4) << 20,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("backend", &infinity::Engine::backend)
       .def_property_readonly("backend_note", &infinity::Engine::backend_note)
       .def_property_readonly("completion_fd", &infinity::Engine::completion_fd)
+      .def_property_readonly("staged_bytes", &infinity::Engine::staged_bytes)
       .def(
           "submit",
           [](infinity::Engine& e, const py::sequence& ops) {

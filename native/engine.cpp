@@ -7,10 +7,14 @@
 // that worker or an idle one. The worker that finishes the last chunk of an
 // op retires the op, and the one that retires the last op of a batch
 // publishes the batch under done_mu_ and signals the eventfd.
+// A staged read (OpSpec::staged) lands in the slot's block of its worker's
+// staging area; the worker copies it to the destination before it checks the
+// CRC and gives the slot back, so a slot's staging block is never shared.
 #include "engine.h"
 
 #include <pthread.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,6 +26,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "aligned_buffer.h"
+#include "copy.h"
 #include "crc32c.h"
 #include "errors.h"
 #include "kaio.h"
@@ -36,6 +42,7 @@ struct Op {
   bool is_write = false;
   bool direct = false;
   bool via_threads = false;
+  bool staged = false;
   int fd = -1;
   unsigned char* buf = nullptr;
   uint64_t nbytes = 0;
@@ -73,6 +80,8 @@ using detail::WorkQueue;
 namespace {
 
 constexpr uint64_t kDirectAlign = 4096;
+constexpr uintptr_t kHugePage = 2u << 20;
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14; older headers do not name it
 // EAGAIN/EINTR on one chunk this many times in a row is treated as an error
 // rather than looping forever.
 constexpr uint32_t kMaxRetries = 64;
@@ -88,8 +97,15 @@ void backoff() {
 
 }  // namespace
 
-Engine::Engine(int num_threads, int queue_depth, int64_t block_size_bytes, const std::string& backend)
-    : num_threads_(num_threads), queue_depth_(queue_depth), block_(static_cast<uint64_t>(block_size_bytes)) {
+Engine::Engine(int num_threads, int queue_depth, int64_t block_size_bytes, const std::string& backend,
+               int64_t staging_bytes)
+    : num_threads_(num_threads),
+      queue_depth_(queue_depth),
+      block_(static_cast<uint64_t>(block_size_bytes)),
+      staging_blocks_(static_cast<size_t>(std::max<int64_t>(
+          1, std::min<int64_t>(queue_depth, staging_bytes / std::max<int64_t>(block_size_bytes, 1))))) {
+  if (staging_bytes < 0)
+    throw std::invalid_argument("staging_bytes is " + std::to_string(staging_bytes) + "; it must be >= 0");
   if (num_threads < 1 || num_threads > 1024)
     throw std::invalid_argument("num_threads is " + std::to_string(num_threads) + "; it must be 1..1024");
   if (queue_depth < 1 || queue_depth > 32768)
@@ -247,6 +263,8 @@ void validate(const OpSpec& s, size_t i) {
       throw std::invalid_argument(where + ": crc_addr " + hex(s.crc_addr) +
                                   " is not 4-byte aligned; it must point to an array of uint32");
   }
+  if (s.staged && (s.is_write || !s.direct))
+    throw std::invalid_argument(where + ": staged applies to O_DIRECT reads only; pass staged=False");
   if (s.direct) {
     const char* advice =
         " is not a multiple of 4096; O_DIRECT needs the buffer address, nbytes and file offset "
@@ -288,6 +306,7 @@ uint64_t Engine::submit(const std::vector<OpSpec>& specs) {
     op.is_write = s.is_write;
     op.direct = s.direct;
     op.via_threads = !s.direct || kind_ == Kind::kThreads;
+    op.staged = s.staged;
     op.fd = static_cast<int>(s.fd);
     op.buf = reinterpret_cast<unsigned char*>(s.buf_addr);
     op.nbytes = static_cast<uint64_t>(s.nbytes);
@@ -438,10 +457,73 @@ std::string Engine::describe(const Chunk& c) const {
          std::to_string(c.len - c.done) + " bytes";
 }
 
-size_t Engine::take_chunks(WorkQueue& q, Chunk* out, size_t max) {
-  size_t n = 0;
+unsigned char* Engine::io_address(const Chunk& c) {
+  return c.stage != nullptr ? c.stage + c.done : c.op->buf + c.pos + c.done;
+}
+
+unsigned char* Engine::staging_area(std::unique_ptr<AlignedBuffer>& keep, size_t slots) const noexcept {
+  try {
+    keep.reset(new AlignedBuffer(slots * block_ + kHugePage));
+  } catch (...) {
+    return nullptr;  // no memory for it: read straight into the destination
+  }
+  const uintptr_t start = reinterpret_cast<uintptr_t>(keep->data());
+  // AlignedBuffer already asked for huge pages; only the 2 MiB-aligned part can have them.
+  unsigned char* area = reinterpret_cast<unsigned char*>((start + kHugePage - 1) & ~(kHugePage - 1));
+  // Fault it in now, from user space: pages first touched by a direct read's
+  // pinning tend to come as 4 KiB pages, which is what staging is meant to avoid.
+  if (madvise(area, slots * block_, kMadvPopulateWrite) != 0) {
+    if (errno == ENOMEM) {
+      keep.reset();
+      return nullptr;
+    }
+    std::memset(area, 0, slots * block_);  // a kernel before 5.14: touch each page ourselves
+  }
+  return area;
+}
+
+void Engine::stage_chunk(Staging& st, Chunk& c) const noexcept {
+  c.stage = nullptr;
+  if (!c.op->staged) return;
+  if (!st.tried) {
+    st.tried = true;
+    unsigned char* area = staging_area(st.keep, staging_blocks_);
+    for (size_t i = 0; area != nullptr && i < staging_blocks_; ++i) st.free_blocks.push_back(area + i * block_);
+  }
+  // take_chunks handed out no more staged chunks than there are free blocks; without
+  // staging memory (mmap failed) the chunk is read straight into its destination.
+  if (!st.free_blocks.empty()) {
+    c.stage = st.free_blocks.back();
+    st.free_blocks.pop_back();
+  }
+}
+
+void Engine::land_staged(Chunk& c) {
+  Op* op = c.op;
+  // When the chunk holds whole CRC blocks, check them in the staging block: that
+  // reads the data into the cache once, and the copy that follows finds it there
+  // and streams it to the destination without reading the destination first.
+  const bool whole_blocks = op->crc != nullptr && c.pos % op->crc_block == 0 &&
+                            (c.len % op->crc_block == 0 || c.pos + c.len == op->nbytes);
+  if (whole_blocks) {
+    for (uint64_t start = 0; start < c.len; start += op->crc_block) {
+      const uint64_t n = std::min(op->crc_block, c.len - start);
+      check_block(op, (c.pos + start) / op->crc_block, crc32c(c.stage + start, n));
+    }
+  }
+  copy_bytes(op->buf + c.pos, c.stage, c.len, 1);
+  staged_bytes_.fetch_add(c.len, std::memory_order_relaxed);
+  if (whole_blocks)
+    finish_chunk(c);
+  else
+    complete_chunk(c);  // its CRC blocks span other chunks: checked in the destination
+}
+
+size_t Engine::take_chunks(WorkQueue& q, Chunk* out, size_t max, size_t max_staged) {
+  size_t n = 0, staged = 0;
   while (n < max && !q.ops.empty()) {
     Op* op = q.ops.front();
+    if (op->staged && staged++ == max_staged) break;  // it waits for a staging block
     const uint64_t len = std::min(block_, op->nbytes - op->next);
     out[n++] = Chunk{op, op->next, len, 0, 0};
     op->next += len;
@@ -507,15 +589,21 @@ void Engine::crc_account(const Chunk& c) {
     // chunks brought in (their workers released them here).
     if (op->crc_left[k].fetch_sub(overlap, std::memory_order_acq_rel) != overlap) continue;
     const uint32_t v = crc32c(op->buf + bstart, bend - bstart);
-    if (op->is_write) {
+    if (op->is_write)
       op->crc[k] = v;
-    } else if (v != op->crc[k]) {
-      record_error(op, EBADMSG,
-                   "checksum mismatch: fd " + std::to_string(op->fd) + ", block at file offset " +
-                       std::to_string(op->offset + bstart) + " (" + std::to_string(bend - bstart) +
-                       " bytes): expected CRC32C " + hex(op->crc[k]) + ", the data read has " + hex(v));
-    }
+    else
+      check_block(op, k, v);
   }
+}
+
+void Engine::check_block(Op* op, uint64_t k, uint32_t v) {
+  if (v == op->crc[k]) return;
+  const uint64_t bstart = k * op->crc_block;
+  const uint64_t bytes = std::min(op->crc_block, op->nbytes - bstart);
+  record_error(op, EBADMSG,
+               "checksum mismatch: fd " + std::to_string(op->fd) + ", block at file offset " +
+                   std::to_string(op->offset + bstart) + " (" + std::to_string(bytes) +
+                   " bytes): expected CRC32C " + hex(op->crc[k]) + ", the data read has " + hex(v));
 }
 
 void Engine::fail_chunk(Chunk& c, int err, const std::string& why) {
@@ -620,13 +708,19 @@ void Engine::uring_worker(size_t index) {
   WorkQueue& q = async_q_;
   const size_t qd = static_cast<size_t>(queue_depth_);
   std::vector<Chunk> slots(qd), grabbed(qd), jobs;
-  std::vector<uint32_t> free_slots, retry;
+  std::vector<uint32_t> free_slots, retry, landing;
+  Staging staging;
   jobs.reserve(2 * qd);
   retry.reserve(qd);
+  landing.reserve(qd);
   free_slots.reserve(qd);
   for (size_t i = qd; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
   size_t busy = 0;
   auto release = [&](uint32_t s) {
+    if (slots[s].stage != nullptr) {
+      staging.free_blocks.push_back(slots[s].stage);
+      slots[s].stage = nullptr;
+    }
     free_slots.push_back(s);
     --busy;
   };
@@ -634,7 +728,7 @@ void Engine::uring_worker(size_t index) {
     Chunk& c = slots[s];
     // The ring has at least queue_depth entries and each slot holds at most
     // one of them, so this cannot fail; if it ever did, fail loudly.
-    if (!ring.queue_rw(c.op->is_write, c.op->fd, c.op->buf + c.pos + c.done, static_cast<uint32_t>(c.len - c.done),
+    if (!ring.queue_rw(c.op->is_write, c.op->fd, io_address(c), static_cast<uint32_t>(c.len - c.done),
                        c.op->offset + c.pos + c.done, s)) {
       fail_chunk(c, EOVERFLOW, "io_uring submission ring full (internal error): " + describe(c));
       release(s);
@@ -648,7 +742,7 @@ void Engine::uring_worker(size_t index) {
         q.cv.wait(lk, [&] { return !q.ops.empty() || q.crc_count || q.stopping; });
         if (q.ops.empty() && q.crc_count == 0) break;
       }
-      n = take_chunks(q, grabbed.data(), free_slots.size());
+      n = take_chunks(q, grabbed.data(), free_slots.size(), staging.room(staging_blocks_));
     }
     for (size_t i = 0; i < n; ++i) {
       Chunk& c = grabbed[i];
@@ -658,6 +752,7 @@ void Engine::uring_worker(size_t index) {
       }
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
+      stage_chunk(staging, c);
       slots[s] = c;
       ++busy;
       queue(s);
@@ -667,8 +762,13 @@ void Engine::uring_worker(size_t index) {
     retry.clear();
 
     int r = 0;
-    if (!jobs.empty() || q.crc_pending.load(std::memory_order_relaxed)) {
+    if (!jobs.empty() || !landing.empty() || q.crc_pending.load(std::memory_order_relaxed)) {
       if (ring.unsubmitted()) r = ring.submit_and_wait(0);
+      for (uint32_t s : landing) {
+        land_staged(slots[s]);
+        release(s);
+      }
+      landing.clear();
       run_crc_jobs(q, jobs);
     } else if (busy) {
       r = ring.submit_and_wait(1);
@@ -684,6 +784,11 @@ void Engine::uring_worker(size_t index) {
     const unsigned reaped = ring.reap([&](uint64_t ud, int res) {
       const uint32_t s = static_cast<uint32_t>(ud);
       Chunk& c = slots[s];
+      if (res > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(res) == c.len) {
+        c.done = c.len;
+        landing.push_back(s);  // copied out next round, after the free slots are refilled
+        return;
+      }
       if (res > 0 && c.op->crc && !c.op->is_write && c.done + static_cast<uint64_t>(res) == c.len) {
         c.done = c.len;
         jobs.push_back(c);  // verify next round, after the slot is refilled
@@ -708,9 +813,11 @@ void Engine::aio_worker(size_t index) {
   std::vector<iocb> iocbs(qd);
   std::vector<iocb*> pending;  // prepared, not yet accepted by io_submit
   std::vector<io_event> events(qd);
-  std::vector<uint32_t> free_slots;
+  std::vector<uint32_t> free_slots, landing;
+  Staging staging;
   jobs.reserve(2 * qd);
   pending.reserve(qd);
+  landing.reserve(qd);
   free_slots.reserve(qd);
   for (size_t i = qd; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
   size_t busy = 0, in_kernel = 0;
@@ -721,12 +828,16 @@ void Engine::aio_worker(size_t index) {
     cb.aio_data = s;
     cb.aio_lio_opcode = c.op->is_write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
     cb.aio_fildes = static_cast<uint32_t>(c.op->fd);
-    cb.aio_buf = reinterpret_cast<uint64_t>(c.op->buf + c.pos + c.done);
+    cb.aio_buf = reinterpret_cast<uint64_t>(io_address(c));
     cb.aio_nbytes = c.len - c.done;
     cb.aio_offset = static_cast<int64_t>(c.op->offset + c.pos + c.done);
     pending.push_back(&cb);
   };
   auto release = [&](uint32_t s) {
+    if (slots[s].stage != nullptr) {
+      staging.free_blocks.push_back(slots[s].stage);
+      slots[s].stage = nullptr;
+    }
     free_slots.push_back(s);
     --busy;
   };
@@ -738,7 +849,7 @@ void Engine::aio_worker(size_t index) {
         q.cv.wait(lk, [&] { return !q.ops.empty() || q.crc_count || q.stopping; });
         if (q.ops.empty() && q.crc_count == 0) break;
       }
-      n = take_chunks(q, grabbed.data(), free_slots.size());
+      n = take_chunks(q, grabbed.data(), free_slots.size(), staging.room(staging_blocks_));
     }
     for (size_t i = 0; i < n; ++i) {
       Chunk& c = grabbed[i];
@@ -748,6 +859,7 @@ void Engine::aio_worker(size_t index) {
       }
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
+      stage_chunk(staging, c);
       slots[s] = c;
       ++busy;
       prepare(s);
@@ -796,6 +908,13 @@ void Engine::aio_worker(size_t index) {
       backoff();
     }
 
+    if (!landing.empty()) {
+      for (uint32_t s : landing) {
+        land_staged(slots[s]);
+        release(s);
+      }
+      landing.clear();
+    }
     if (!jobs.empty() || q.crc_pending.load(std::memory_order_relaxed)) run_crc_jobs(q, jobs);
     if (in_kernel == 0) continue;
 
@@ -813,6 +932,11 @@ void Engine::aio_worker(size_t index) {
       const uint32_t s = static_cast<uint32_t>(ev.data);
       Chunk& c = slots[s];
       --in_kernel;
+      if (ev.res > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(ev.res) == c.len) {
+        c.done = c.len;
+        landing.push_back(s);
+        continue;
+      }
       if (ev.res > 0 && c.op->crc && !c.op->is_write && c.done + static_cast<uint64_t>(ev.res) == c.len) {
         c.done = c.len;
         jobs.push_back(c);
@@ -829,13 +953,14 @@ void Engine::aio_worker(size_t index) {
 
 void Engine::sync_worker() {
   name_thread("inf-pio");
+  Staging staging;
   for (;;) {
     Chunk c;
     {
       std::unique_lock<std::mutex> lk(sync_q_.mu);
       sync_q_.cv.wait(lk, [&] { return !sync_q_.ops.empty() || sync_q_.stopping; });
       if (sync_q_.ops.empty()) break;
-      take_chunks(sync_q_, &c, 1);
+      take_chunks(sync_q_, &c, 1, 1);
     }
     Op* op = c.op;
     if (op->batch->failed.load(std::memory_order_acquire)) {
@@ -843,13 +968,21 @@ void Engine::sync_worker() {
       continue;
     }
     if (op->crc && op->is_write) crc_job(c);
+    stage_chunk(staging, c);
+    unsigned char* const block = c.stage;
     for (;;) {
-      const uint64_t at = c.pos + c.done;
       const size_t want = static_cast<size_t>(c.len - c.done);
-      const off_t off = static_cast<off_t>(op->offset + at);
-      const ssize_t r = op->is_write ? pwrite(op->fd, op->buf + at, want, off) : pread(op->fd, op->buf + at, want, off);
+      const off_t off = static_cast<off_t>(op->offset + c.pos + c.done);
+      unsigned char* at = io_address(c);
+      const ssize_t r = op->is_write ? pwrite(op->fd, at, want, off) : pread(op->fd, at, want, off);
+      if (r > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(r) == c.len) {
+        c.done = c.len;
+        land_staged(c);
+        break;
+      }
       if (on_result(c, r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r)) == Outcome::kFinished) break;
     }
+    if (block != nullptr) staging.free_blocks.push_back(block);
   }
 }
 

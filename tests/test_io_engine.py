@@ -362,8 +362,10 @@ def test_short_read_raises_io_engine_error_saying_file_is_too_small(engine: IOEn
 
 def test_io_op_helpers_describe_the_tuple() -> None:
     op = IOOp.read(fd=3, address=4096, nbytes=3 * MiB + 1, offset=8192, direct=False, crc_address=64)
-    assert op.as_tuple() == (False, 3, 4096, 3 * MiB + 1, 8192, False, 64, CRC_BLOCK_BYTES)
+    assert op.as_tuple() == (False, 3, 4096, 3 * MiB + 1, 8192, False, 64, CRC_BLOCK_BYTES, False)
     assert op.crc_count() == 4
+    staged = IOOp.read(fd=3, address=4096, nbytes=4096, offset=0, staged=True)
+    assert staged.as_tuple()[-1] is True
     with pytest.raises(TypeError):
         IOOp(False, 3, 4096, 10, 0)  # type: ignore[misc]  # keyword-only
 

@@ -63,12 +63,20 @@ SCRIPT = textwrap.dedent(
         assert eng.wait(eng.submit([(True, fd, src.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
         assert eng.wait(eng.submit([(False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
         assert bytes(memoryview(dst)) == data
+        memoryview(dst)[:] = bytes(nbytes)
+        staged = (False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB, True)
+        assert eng.wait(eng.submit([staged])) == (0, "")
+        assert bytes(memoryview(dst)) == data and eng.staged_bytes == nbytes
         with open(path, "r+b") as f:
             f.seek(MiB)
             f.write(b"X")
         err, msg = eng.wait(eng.submit([(False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)]))
         assert err == errno.EBADMSG, msg
+        err, msg = eng.wait(eng.submit([staged]))
+        assert err == errno.EBADMSG, msg
         err, msg = eng.wait(eng.submit([(False, fd, dst.address, nbytes, 4096, True, 0, 0)]))
+        assert err == errno.EIO, msg
+        err, msg = eng.wait(eng.submit([(False, fd, dst.address, nbytes, 4096, True, 0, 0, True)]))
         assert err == errno.EIO, msg
         try:
             eng.submit([(True, fd, src.address + 1, 4096, 0, True, 0, 0)])
@@ -80,7 +88,7 @@ SCRIPT = textwrap.dedent(
         plain = os.open(path + ".plain", os.O_RDWR | os.O_CREAT)
         assert eng.wait(eng.submit([(True, plain, src.address + 3, 5000, 7, False, 0, 0)])) == (0, "")
         os.close(plain)
-        pending = [eng.submit([(False, fd, dst.address, nbytes, 0, True, 0, 0)]) for _ in range(8)]
+        pending = [eng.submit([(False, fd, dst.address, nbytes, 0, True, 0, 0, i % 2 == 1)]) for i in range(8)]
         eng.close()  # cancels what has not started
         for b in pending:
             assert eng.wait(b)[0] in (0, errno.ECANCELED)

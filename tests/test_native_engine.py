@@ -220,7 +220,10 @@ def test_write_checksums_each_block_however_chunks_fall(
         eng.close()
 
 
-def test_corrupted_block_fails_read_with_ebadmsg_naming_its_offset(engine: _native.Engine, disk_tmp: str) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_corrupted_block_fails_read_with_ebadmsg_naming_its_offset(
+    engine: _native.Engine, disk_tmp: str, staged: bool
+) -> None:
     path = os.path.join(disk_tmp, "corrupt")
     src, dst = random_buffer(4 * MiB, 12), _native.AlignedBuffer(4 * MiB)
     crcs = crc_array(4)
@@ -232,11 +235,83 @@ def test_corrupted_block_fails_read_with_ebadmsg_naming_its_offset(engine: _nati
             byte = f.read(1)
             f.seek(2 * MiB + 12345)
             f.write(bytes([byte[0] ^ 0x40]))
-        err, message = run(engine, [(False, fd, dst.address, 4 * MiB, 0, True, ctypes.addressof(crcs), MiB)])
+        err, message = run(engine, [(False, fd, dst.address, 4 * MiB, 0, True, ctypes.addressof(crcs), MiB, staged)])
     finally:
         os.close(fd)
     assert err == errno.EBADMSG
     assert "checksum mismatch" in message and f"file offset {2 * MiB}" in message
+
+
+# --- staged reads ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "block_size, crc_block",
+    [(MiB, MiB), (64 * 1024, MiB), (4 * MiB, MiB), (8192, 12288)],
+    ids=["block-is-crc-block", "crc-block-spans-chunks", "chunk-spans-crc-blocks", "unaligned-crc-blocks"],
+)
+def test_staged_read_lands_bit_exact_with_checksums_checked(
+    backend: str, disk_tmp: str, block_size: int, crc_block: int
+) -> None:
+    nbytes = 5 * MiB + 3 * 4096  # a short last chunk and a short last CRC block
+    count = -(-nbytes // crc_block)
+    eng = _native.Engine(2, 4, block_size, backend)
+    src, dst = random_buffer(nbytes, 21), _native.AlignedBuffer(nbytes + 8192)
+    crcs = crc_array(count)
+    fd = open_direct(os.path.join(disk_tmp, "staged"))
+    try:
+        assert run(eng, [(True, fd, src.address, nbytes, 4096, True, ctypes.addressof(crcs), crc_block)]) == (0, "")
+        # Into the middle of a buffer, so a copy to the wrong place or of the wrong length shows.
+        op = (False, fd, dst.address + 4096, nbytes, 4096, True, ctypes.addressof(crcs), crc_block, True)
+        assert run(eng, [op]) == (0, "")
+        assert eng.staged_bytes == nbytes  # every block came through the staging memory
+    finally:
+        os.close(fd)
+        eng.close()
+    view = memoryview(dst)
+    assert bytes(view[4096 : 4096 + nbytes]) == bytes(memoryview(src))
+    assert bytes(view[:4096]) == bytes(4096) and bytes(view[4096 + nbytes :]) == bytes(4096)
+
+
+@pytest.mark.parametrize("staging_bytes", [1, 4 << 20], ids=["one-block-each", "default"])
+def test_staged_read_without_checksums_many_ops_in_flight(backend: str, disk_tmp: str, staging_bytes: int) -> None:
+    # With one staging block per worker, most chunks wait in the queue for a block.
+    eng = _native.Engine(2, 8, 256 * 1024, backend, staging_bytes)
+    sizes = [4096 * p for p in (1, 3, 64, 255, 257, 1024)]
+    src = random_buffer(sum(sizes), 22)
+    dst = _native.AlignedBuffer(sum(sizes))
+    fd = open_direct(os.path.join(disk_tmp, "staged-many"))
+    try:
+        assert run(eng, [(True, fd, src.address, sum(sizes), 0, True, 0, 0)]) == (0, "")
+        ops, at = [], 0
+        for n in sizes:
+            ops.append((False, fd, dst.address + at, n, at, True, 0, 0, True))
+            at += n
+        assert run(eng, ops) == (0, "")
+        assert eng.staged_bytes == sum(sizes)
+    finally:
+        os.close(fd)
+        eng.close()
+    assert bytes(memoryview(dst)) == bytes(memoryview(src))
+
+
+def test_staged_read_past_end_of_file_is_eio_short_read(engine: _native.Engine, disk_tmp: str) -> None:
+    src, dst = random_buffer(MiB, 24), _native.AlignedBuffer(2 * MiB)
+    fd = open_direct(os.path.join(disk_tmp, "staged-short"))
+    try:
+        assert run(engine, [(True, fd, src.address, MiB, 0, True, 0, 0)])[0] == 0
+        err, message = run(engine, [(False, fd, dst.address, 2 * MiB, 0, True, 0, 0, True)])
+    finally:
+        os.close(fd)
+    assert err == errno.EIO and "short read" in message
+    assert bytes(memoryview(dst)[:MiB]) == bytes(memoryview(src))
+
+
+@pytest.mark.parametrize("op", [(True, 0, 4096, 4096, 0, True, 0, 0, True), (False, 0, 4096, 4096, 0, False, 0, 0, True)],
+                         ids=["write", "buffered-read"])
+def test_staged_applies_to_direct_reads_only(engine: _native.Engine, op: tuple) -> None:
+    with pytest.raises(ValueError, match="staged applies to O_DIRECT reads only"):
+        engine.submit([op])
 
 
 # --- failures ----------------------------------------------------------------

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from infinity.config import InfinityConfig
 from infinity.daemon.arena import (ALIGNMENT_BYTES, CpuArena, CpuSlice, Segment, SegmentPlan,
-                                   SpaceShortage, create_segment)
+                                   SpaceShortage, create_segment, shmem_hugepages_allowed)
 from infinity.daemon.catalog import Catalog, Key, Version, placement_wire
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.policy import EvictionPolicy, default_policy
@@ -177,6 +177,15 @@ class _Candidates(Mapping[Key, int]):
 _FREED, _PENDING, _NOTHING, _RETRY = "freed", "pending", "nothing", "retry"
 
 
+def staged_reads_wanted(config: InfinityConfig) -> bool:
+    """Whether loads go through the engine's staging memory (nvme.staged_reads; auto: when the
+    CPU tier's shared memory cannot get huge pages, so a direct read would scatter)."""
+    setting = config.nvme.staged_reads
+    if setting != "auto":
+        return setting == "on"
+    return not (config.cpu.hugepages and shmem_hugepages_allowed())
+
+
 def void(_: object) -> None:
     """Drop a result (poll() returns counts the loop has no use for)."""
 
@@ -223,7 +232,7 @@ class TierManager:
         engine = IOEngine.from_config(self.config.io)
         nvme: NvmeTier | None = None
         try:
-            nvme = NvmeTier(self.config.nvme, engine)
+            nvme = NvmeTier(self.config.nvme, engine, staged_reads=staged_reads_wanted(self.config))
             self.index = DurableIndex(nvme)
         except BaseException:
             if nvme is not None:

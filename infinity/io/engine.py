@@ -49,7 +49,8 @@ class IOEngine:
         self.config = cfg
         try:
             self._native: NativeEngine = native().Engine(
-                cfg.resolved_num_threads(), cfg.queue_depth, cfg.block_size_bytes, cfg.backend
+                cfg.resolved_num_threads(), cfg.queue_depth, cfg.block_size_bytes, cfg.backend,
+                cfg.staging_bytes,
             )
         except (RuntimeError, OSError) as exc:
             raise IOEngineError(str(exc)) from exc
@@ -79,6 +80,11 @@ class IOEngine:
     def completion_fd(self) -> int:
         """An eventfd that becomes readable when a batch completes; poll() clears it."""
         return self._native.completion_fd
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes that staged reads (`IOOp.staged`) brought in through the staging memory."""
+        return int(self._native.staged_bytes)
 
     @property
     def closed(self) -> bool:

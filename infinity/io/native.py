@@ -14,8 +14,9 @@ from typing import Protocol, Sequence, cast
 
 from infinity.errors import IOEngineError
 
-# (is_write, fd, buf_addr, nbytes, file_offset, direct, crc_addr, crc_block_bytes)
-OpTuple = tuple[bool, int, int, int, int, bool, int, int]
+# (is_write, fd, buf_addr, nbytes, file_offset, direct, crc_addr, crc_block_bytes, staged);
+# the engine also takes the first eight alone (staged=False).
+OpTuple = tuple[bool, int, int, int, int, bool, int, int, bool]
 
 
 class NativeEngine(Protocol):
@@ -27,6 +28,9 @@ class NativeEngine(Protocol):
 
     @property
     def completion_fd(self) -> int: ...
+
+    @property
+    def staged_bytes(self) -> int: ...
 
     def submit(self, ops: Sequence[OpTuple]) -> int: ...
 
@@ -57,7 +61,8 @@ class NativeModule(Protocol):
     AlignmentError: type[ValueError]
 
     def Engine(  # noqa: N802 - a class in the extension
-        self, num_threads: int, queue_depth: int, block_size_bytes: int, backend: str = "auto"
+        self, num_threads: int, queue_depth: int, block_size_bytes: int, backend: str = "auto",
+        staging_bytes: int = 4 << 20,
     ) -> NativeEngine: ...
 
     def AlignedBuffer(  # noqa: N802

@@ -293,12 +293,14 @@ class NvmeWrite:
 class NvmeTier:
     """Tensor extents over one or more directories, moved by the native engine."""
 
-    def __init__(self, config: NvmeConfig, engine: IOEngine) -> None:
+    def __init__(self, config: NvmeConfig, engine: IOEngine, *, staged_reads: bool = False) -> None:
+        """staged_reads: direct reads go through the engine's staging memory (`IOOp.staged`)."""
         if not config.dirs:
             raise StoreDirectoryError("no NVMe directories configured; set nvme.dirs to one "
                                       "directory per drive")
         self.config = config
         self.engine = engine
+        self.staged_reads = staged_reads
         self.stripe_bytes = config.stripe_bytes
         self._lock = threading.Lock()
         self.directories: list[NvmeDirectory] = []
@@ -402,11 +404,12 @@ class NvmeTier:
             else:
                 directory.bytes_read += p.nbytes
             block = p.tensor_offset_bytes // CRC_BLOCK_BYTES - first_block
-            make = IOOp.write if is_write else IOOp.read
-            ops.append(make(fd=directory.fd, address=address + p.tensor_offset_bytes,
-                            nbytes=p.nbytes, offset=p.file_offset_bytes, direct=directory.direct,
+            ops.append(IOOp(is_write=is_write, fd=directory.fd,
+                            address=address + p.tensor_offset_bytes, nbytes=p.nbytes,
+                            offset=p.file_offset_bytes, direct=directory.direct,
                             crc_address=(crc_address + 4 * block) if crc_address else 0,
-                            crc_block_bytes=CRC_BLOCK_BYTES))
+                            crc_block_bytes=CRC_BLOCK_BYTES,
+                            staged=self.staged_reads and directory.direct and not is_write))
         return ops
 
     def write_from(self, address: int, nbytes: int, *, layout: TensorLayout | None = None,
