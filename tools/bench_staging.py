@@ -1,0 +1,138 @@
+"""Benchmark staged reads: NVMe into the CPU tier's kind of memory, direct against staged, in one run.
+
+    .venv/bin/python tools/bench_staging.py [--dir /var/tmp/infinity-bench-staging] [--rounds 5]
+        [--files 16] [--file-bytes 32MiB]
+
+JSON on stdout, progress on stderr. The engine (the daemon's `[io]` settings, CRC32C per MiB
+verified) reads `--files` O_DIRECT files, 4 in flight, into three kinds of memory, taking turns
+each round so the machine's background load falls on all alike:
+
+- private: anonymous memory on huge pages (the limit: what `bench_overlap` calls the
+  engine's bandwidth);
+- shared, direct: a fresh memfd mapping like a CPU-tier segment without shmem huge pages,
+  each block read straight into it;
+- shared, staged: the same memory, each block landing in the engine's staging memory first
+  (`IOOp.staged`, `nvme.staged_reads`) and then copied in.
+
+Reported: GB/s per kind and round, and the medians of staged / private and staged / direct.
+Every read is checked against the bytes written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import dataclasses
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_store import _bytes  # noqa: E402
+
+from infinity.config import load_config  # noqa: E402
+from infinity.io import IOEngine, IOOp, aligned_empty, crc32c  # noqa: E402
+
+MiB = 1024 * 1024
+IN_FLIGHT = 4
+_MADV_POPULATE_WRITE = 23
+
+
+def _shared_memory(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int]:
+    fd = os.memfd_create("infinity-bench-staging")
+    os.ftruncate(fd, nbytes)
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm.madvise(_MADV_POPULATE_WRITE)  # prefaulted, as the daemon's segments are
+    return torch.frombuffer(mm, dtype=torch.uint8), mm, fd  # type: ignore[call-overload]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="/var/tmp/infinity-bench-staging",
+                        help="a folder on the drive to measure (emptied first, removed after)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--file-bytes", type=_bytes, default=32 * MiB)
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a setting for the engine, e.g. io.staging_bytes=8388608 (repeatable)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    config = load_config(env={}, overrides=args.set)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    size, count = args.file_bytes, args.files
+    window = IN_FLIGHT * size
+    fds: list[int] = []
+    try:
+        pattern = torch.arange(size, dtype=torch.int64).to(torch.uint8) ^ 0x5A
+        source = aligned_empty(size)
+        source.copy_(pattern)
+        crcs = array.array("I", [crc32c(source[i:i + MiB]) for i in range(0, size, MiB)])
+        for i in range(count):
+            fd = os.open(os.path.join(args.dir, f"f{i:03d}"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            fds.append(fd)
+        private = aligned_empty(window)
+        private.fill_(1)  # faulted in from user space: huge pages where THP allows
+        shared, mm, memfd = _shared_memory(window)
+        results: dict[str, list[float]] = {"private": [], "shared_direct": [], "shared_staged": []}
+        with IOEngine.from_config(config.io) as engine, Progress(console=console) as progress:
+            engine.submit([IOOp.write(fd=fd, address=source.data_ptr(), nbytes=size, offset=0)
+                           for fd in fds]).result()
+            task = progress.add_task("reads", total=args.rounds * len(results))
+            kinds = list(results)
+            for round_ in range(args.rounds):
+                for kind in kinds[round_ % 3:] + kinds[:round_ % 3]:
+                    buf = private if kind == "private" else shared
+                    start = time.perf_counter()
+                    for first in range(0, count, IN_FLIGHT):
+                        group = fds[first:first + IN_FLIGHT]
+                        engine.submit([IOOp.read(fd=fd, address=buf.data_ptr() + k * size, nbytes=size,
+                                                 offset=0, crc_address=crcs.buffer_info()[0],
+                                                 staged=kind == "shared_staged")
+                                       for k, fd in enumerate(group)]).result()
+                    results[kind].append(count * size / (time.perf_counter() - start) / 1e9)
+                    if not torch.equal(buf[:size], pattern):
+                        raise SystemExit(f"{kind}: the bytes read differ from those written")
+                    buf.zero_()
+                    progress.advance(task)
+            staged_bytes = engine.staged_bytes
+        del shared, buf
+        mm.close()
+        os.close(memfd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+    def median(kind: str) -> float:
+        return round(statistics.median(results[kind]), 3)
+
+    out: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "engine": engine.backend},
+        "settings": {"files": count, "file_bytes": size, "in_flight": IN_FLIGHT,
+                     "io": dataclasses.asdict(config.io)},
+        "gbps": {kind: [round(v, 3) for v in values] for kind, values in results.items()},
+        "median_gbps": {kind: median(kind) for kind in results},
+        "staged_over_private": round(statistics.median(
+            s / p for s, p in zip(results["shared_staged"], results["private"])), 3),
+        "staged_over_direct": round(statistics.median(
+            s / d for s, d in zip(results["shared_staged"], results["shared_direct"])), 3),
+        "staged_bytes": staged_bytes,
+    }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
