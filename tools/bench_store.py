@@ -45,7 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import infinity
 from bench_launch import start_daemon
-from infinity.config import GiB, InfinityConfig, MiB
+from infinity.config import GiB, InfinityConfig, MiB, load_config
 from infinity.io import IOEngine, IOOp, aligned_empty
 
 console = Console(stderr=True)
@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-bytes", default="auto",
                         help="memory taken (and held) before anything else: a size, 0 for none, "
                              "or auto (the free blocks of 64 KiB and less, see below)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a daemon setting (e.g. nvme.staged_reads=off); the raw engine takes [io]")
     args = parser.parse_args(argv)
+    typed = load_config(env={}, overrides=args.set)  # validated, in the settings' own types
+    extra = {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1])
+             for key in (text.split("=", 1)[0].strip() for text in args.set)}
     # The kernel hands out its free fragments (pages left by processes that exited) before
     # whole blocks, and O_DIRECT into scattered pages is much slower on this VM's virtio disk.
     # Whichever buffers are allocated first (the raw engine's or the daemon's segments) would
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "nvme.dirs": [os.path.join(args.dir, "store")],
         "nvme.capacity_bytes_per_dir": 4 * (args.total_bytes + args.writeback_bytes
                                             + args.tier_bytes),
+        **extra,
     }
     daemon, config = start_daemon(args.dir, settings)
     client = None
