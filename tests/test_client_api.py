@@ -38,6 +38,32 @@ def test_get_many_yields_views_in_request_order(client: Any) -> None:
     assert client.stats()["catalog"]["num_leases"] == 0
 
 
+def test_a_repeated_get_many_gives_fresh_tensor_objects_over_the_same_memory(client: Any) -> None:
+    client.put_many({f"r{i}": torch.full((7 + i,), float(i)) for i in range(5)})
+    names = [f"r{i}" for i in range(5)]
+    with client.get_many(names) as first:
+        first[0].requires_grad_(True)  # a caller marking its tensor must not mark the next one's
+    with client.get_many(names) as second:
+        assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, second))
+        assert not second[0].requires_grad
+        assert [float(t[0]) for t in second] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_repeated_get_many_sees_a_version_committed_in_between(client: Any) -> None:
+    names = ["s0", "s1", "s2"]
+    client.put_many({name: torch.zeros(9) for name in names})
+    for _ in range(2):  # the second reply is byte for byte the first
+        with client.get_many(names) as views:
+            assert all(float(v.sum()) == 0.0 for v in views)
+    old = client.get_many(names)
+    client.put("s1", torch.ones(9))
+    with client.get_many(names) as views:
+        assert [float(v.sum()) for v in views] == [0.0, 9.0, 0.0]
+        assert views[1].data_ptr() != old.tensors[1].data_ptr()
+    assert float(old.tensors[1].sum()) == 0.0  # the reader of the old version keeps it
+    old.release()
+
+
 def test_get_many_with_a_missing_name_raises_and_keeps_no_lease(client: Any) -> None:
     client.put("here", torch.ones(1))
     with pytest.raises(NotFoundError, match="missing"):

@@ -184,3 +184,32 @@ def test_nbytes_follow_dtype_and_shape() -> None:
 def test_bad_dtype_or_shape_is_an_invalid_request(dtype: str, shape: tuple[int, ...]) -> None:
     with pytest.raises(InvalidRequestError):
         dtypes.tensor_nbytes(dtype, shape)
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 33, 65_536])
+def test_a_reply_joined_from_packed_results_is_the_same_bytes(count: int) -> None:
+    placements = [wire.Placement(i % 3, 4096 * i, 4 * i + 1, "float32", (i + 1,), 7 + i).to_wire()
+                  for i in range(count)]
+    joined = wire.encode_packed_reply(2**40 + 3, [wire.pack_result(p) for p in placements])
+    assert joined == wire.encode_reply(2**40 + 3, placements)
+    reply = wire.decode_reply(joined)
+    assert reply.request_id == 2**40 + 3
+    assert [wire.Placement.from_wire(r) for r in reply.results] == [wire.Placement.from_wire(p) for p in placements]
+
+
+@pytest.mark.parametrize("request_id", [1, 127, 128, 255, 65_535, 65_536, 2**32, 2**63 - 1])
+def test_split_reply_reads_the_request_id_and_leaves_the_results_packed(request_id: int) -> None:
+    results = [wire.Placement(1, 4096, 8, "int64", (1,), 5).to_wire(), 7]
+    data = wire.encode_reply(request_id, results)
+    split = wire.split_reply(data)
+    assert split is not None and split[0] == request_id
+    assert wire.decode_results(split[1]) == wire.decode_reply(data).results
+
+
+def test_split_reply_declines_error_replies_and_malformed_bytes() -> None:
+    error = wire.encode_error(9, wire.ItemError("not_found", "no tensor 'w'"))
+    assert wire.split_reply(error) is None
+    assert wire.split_reply(b"") is None
+    assert wire.split_reply(wire.encode_reply(5, [])[:6]) is None
+    with pytest.raises(ProtocolError):
+        wire.decode_results(b"\xc1")

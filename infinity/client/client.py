@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union, cast
 
 import psutil
 import torch
@@ -296,9 +296,14 @@ class Client:
         assert self._segments is not None
         channel = self._channel()
         lease_id = next(self._request_ids)  # a get's request id names its lease
-        results = self._results(channel.call(lease_id, request, releases=self._take_releases()))
+        answer = channel.call_packed(lease_id, request, releases=self._take_releases())
+        results: tuple[Any, ...] = ()
         try:
-            tensors, first_error = self._segments.leased_views(results)
+            if type(answer) is bytes:
+                results, tensors, first_error = self._segments.leased_views_packed(answer)
+            else:
+                results = self._results(cast(wire.Reply, answer))
+                tensors, first_error = self._segments.leased_views(results)
             if first_error is not None:
                 raise first_error.exception()
         except BaseException:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from infinity.errors import DaemonUnavailableError, InvalidRequestError, ProtocolError
-from infinity.protocol import dtypes, fdpass
+from infinity.protocol import dtypes, fdpass, wire
 from infinity.protocol.wire import FdReply, FdRequest, ItemError, Placement
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -29,6 +29,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
 _MAX_CACHED_SHAPES = 4096
 _MAX_CACHED_VIEWS = 1 << 16
+_MAX_CACHED_REPLIES = 1 << 12
+_detach = torch.Tensor.detach
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,6 +99,9 @@ class SegmentMap:
         # (version, segment, offset) -> its view: a version evicted to NVMe and loaded again
         # lands elsewhere, so its number alone does not name one place.
         self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        # A get's packed results (`wire.split_reply`) -> (results, views): the same reply again
+        # (the same versions in the same places) is answered without decoding it.
+        self._replies: dict[bytes, tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
         self._closed = False
         with self._lock:
             self._fetch(None)
@@ -114,6 +119,21 @@ class SegmentMap:
         return base.as_strided(placement.shape, _strides(placement.shape),
                                placement.offset // dtypes.DTYPE_ITEMSIZE[dtype])
 
+    def leased_views_packed(self, packed: bytes) -> tuple[tuple[Any, ...], list[torch.Tensor],
+                                                          ItemError | None]:
+        """`leased_views` for a get's packed results: (results, views, first error). A reply
+        seen before, byte for byte, costs a dictionary lookup and a `detach()` per view."""
+        hit = self._replies.get(packed)
+        if hit is not None:
+            return hit[0], list(map(_detach, hit[1])), None
+        results = wire.decode_results(packed)
+        views, first_error, cacheable = self._views_of(results)
+        if cacheable and first_error is None:
+            if len(self._replies) >= _MAX_CACHED_REPLIES:
+                self._replies.clear()
+            self._replies[packed] = (results, views)
+        return results, list(map(_detach, views)), first_error
+
     def leased_views(self, results: Sequence[Any]) -> tuple[list[torch.Tensor],
                                                             ItemError | None]:
         """Views for the results of a get, and the first item error if any.
@@ -127,7 +147,13 @@ class SegmentMap:
         A placement seen for the first time is validated in full
         (`Placement.from_wire`) before it is kept.
         """
+        views, first_error, _ = self._views_of(results)
+        return list(map(_detach, views)), first_error
+
+    def _views_of(self, results: Sequence[Any]) -> tuple[list[torch.Tensor], ItemError | None, bool]:
+        """(views of the results that are placements, first error, whether every view is kept)."""
         cache = self._views
+        cacheable = True
         try:
             views = [cache.get((value[5], value[0], value[1])) for value in results]
         except (TypeError, IndexError, KeyError):  # an error or a malformed value: see below
@@ -146,8 +172,9 @@ class SegmentMap:
                 if len(cache) >= _MAX_CACHED_VIEWS:
                     cache.clear()
                 cache[(placement.version, placement.segment, placement.offset)] = view
-        tensors = [view.detach() for view in views if view is not None]
-        return tensors, first_error
+            else:
+                cacheable = False
+        return [view for view in views if view is not None], first_error, cacheable
 
     @staticmethod
     def _torch_dtype(name: str) -> torch.dtype:
@@ -214,6 +241,7 @@ class SegmentMap:
 
     def _forget(self, segment: int) -> None:
         mapping = self._mappings.pop(segment, None)
+        self._replies.clear()  # rare (a segment retired): not worth finding the ones it touches
         for key in [k for k in self._typed if k[0] == segment]:
             del self._typed[key]
         if mapping is not None:
@@ -240,3 +268,4 @@ class SegmentMap:
             self._mappings.clear()
             self._typed.clear()
             self._views.clear()
+            self._replies.clear()

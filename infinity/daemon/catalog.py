@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 from infinity.daemon.arena import CpuSlice
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
 from infinity.protocol import dtypes
-from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement
+from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement, pack_result
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -86,9 +86,11 @@ class Version:
     shared: int = 0
     exclusive: int = 0  # client id of the exclusive holder, 0 if none
     dirty: bool = True  # written in place (exclusive lease) or never written back
-    # The placement's wire form, built when the version lands in the CPU tier: every get of
-    # this version answers with it as is.
+    # The placement's wire form and its packed reply item (`wire.pack_result`), built when the
+    # version lands in the CPU tier (`set_placement`): every get of this version answers with
+    # them as they are. Empty while it is not resident.
     wire: list[Any] = field(default_factory=list)
+    packed: bytes = b""
     nvme: DiskCopy | None = None
     pins: int = 0  # I/O in flight on it (loads, write-backs): not freed until they end
     loading: Any = None  # the load bringing it into the CPU tier, if one is under way
@@ -105,11 +107,18 @@ class Version:
         return "cpu+nvme" if self.nvme is not None and not self.dirty else "cpu"
 
 
-def placement_wire(version: Version) -> list[Any]:
-    """The wire form of a version's placement in the CPU tier (segment -1: zero bytes)."""
+def set_placement(version: Version) -> None:
+    """Record where a version now is (its `cpu` slice; segment -1: zero bytes) in the forms
+    gets answer with; `clear_placement` when it leaves the CPU tier."""
     cpu = version.cpu
-    return Placement(-1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
-                     version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
+    version.wire = Placement(-1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+                             version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
+    version.packed = pack_result(version.wire)
+
+
+def clear_placement(version: Version) -> None:
+    version.wire = []
+    version.packed = b""
 
 
 @dataclass(eq=False, slots=True)
@@ -360,7 +369,7 @@ class Catalog:
         check_key(namespace, name)
         version = Version(key, next(self._stamps), dtype, shape, nbytes, cpu, dirty=dirty,
                           nvme=nvme)
-        version.wire = placement_wire(version)
+        set_placement(version)
         entries = self._namespaces.setdefault(namespace, {})
         counters = self.namespace_counters.setdefault(namespace, NamespaceCounters())
         old = entries.get(name)

@@ -275,7 +275,9 @@ class Daemon:
                 f"infinityd failed on this request ({type(exc).__name__}: {exc}); see its log"))
 
     def _reply(self, identity: bytes, request_id: int, results: list[Any]) -> None:
-        data = wire.encode_reply(request_id, results)
+        self._send_reply(identity, request_id, wire.encode_reply(request_id, results))
+
+    def _send_reply(self, identity: bytes, request_id: int, data: bytes) -> None:
         try:
             self.router.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             self.router.send(data, zmq.NOBLOCK)
@@ -413,7 +415,7 @@ class Daemon:
         scheduler = self.scheduler
         stream: StreamKey | None = None
         now = 0.0
-        plan_now = False
+        plan_now = failed = False
         if scheduler is not None:
             now = time.monotonic()
         for outcome in outcomes:
@@ -433,6 +435,7 @@ class Daemon:
                 nbytes += outcome.nbytes
             else:
                 results.append(self._item_error(session, outcome))  # type: ignore[arg-type]
+                failed = True
         if plan_now:
             self._plan_due = True
         elif scheduler is not None:
@@ -444,7 +447,11 @@ class Daemon:
         self.counters.items += len(outcomes)
         self.counters.bytes_leased += nbytes
         if missing is None:
-            self._reply(identity, request_id, results)
+            if not failed:  # every item resident and leased: join their packed placements
+                self._send_reply(identity, request_id, wire.encode_packed_reply(
+                    request_id, [cast(Version, o).packed for o in outcomes]))
+            else:
+                self._reply(identity, request_id, results)
             return
         deferred = self._defer(session, identity, request_id, results)
         deferred.left = len(missing) + 1  # + 1: settled below, once every load is started

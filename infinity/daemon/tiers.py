@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 from infinity.config import InfinityConfig
 from infinity.daemon.arena import (ALIGNMENT_BYTES, CpuArena, CpuSlice, Segment, SegmentPlan,
                                    SpaceShortage, create_segment, shmem_hugepages_allowed)
-from infinity.daemon.catalog import Catalog, Key, Version, placement_wire
+from infinity.daemon.catalog import Catalog, Key, Version, clear_placement, set_placement
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.policy import EvictionPolicy, default_policy
 from infinity.daemon.scheduler import Scheduler
@@ -473,7 +473,7 @@ class TierManager:
         self.counters.evictions += 1
         self.counters.evicted_bytes += version.nbytes
         version.cpu = None
-        version.wire = []
+        clear_placement(version)
         del self.resident[version.key]
         self.policy.forget(version.key)
         self._wake_space()
@@ -791,7 +791,7 @@ class TierManager:
         if error is None:
             assert load.piece is not None
             version.cpu = load.piece
-            version.wire = placement_wire(version)
+            set_placement(version)
             self.counters.reloads += 1
             self.counters.reload_bytes += version.nbytes
             if version.current and self.nvme is not None:

@@ -839,12 +839,41 @@ def encode_reply(request_id: int, results: Sequence[Result]) -> bytes:
     return _pack(["reply", request_id, wire])
 
 
+_REPLY_HEAD = b"\x93" + _pack("reply")  # a reply is an array of 3 that starts with "reply"
+
+
+def pack_result(value: Any) -> bytes:
+    """One successful result in its reply form, packed once: `encode_packed_reply` joins them.
+    The daemon keeps each resident version's placement this way, as every get answers with it."""
+    return _pack([None, value])
+
+
+def encode_packed_reply(request_id: int, packed: Sequence[bytes]) -> bytes:
+    """The same bytes as `encode_reply(request_id, results)` for results packed by `pack_result`."""
+    count = len(packed)
+    if count < 16:
+        header = bytes((0x90 | count,))
+    elif count < 1 << 16:
+        header = b"\xdc" + count.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + count.to_bytes(4, "big")
+    return b"".join((_REPLY_HEAD, _pack(request_id), header, *packed))
+
+
 def encode_error(request_id: int, error: ItemError) -> bytes:
     return _pack(["error", request_id, error.code, error.message])
 
 
 def _item_error(code: Any, message: Any) -> ItemError:
     return ItemError(_str(code, "error code"), _str(message, "error message"))
+
+
+def _results(wire: Any) -> tuple[Any, ...]:
+    try:
+        return tuple(payload if code is None else _item_error(code, payload)
+                     for code, payload in _list(wire, "reply results"))
+    except (TypeError, ValueError):
+        raise ProtocolError("malformed reply: each result must be [code or None, value]") from None
 
 
 def decode_reply(data: bytes) -> Reply:
@@ -854,18 +883,39 @@ def decode_reply(data: bytes) -> Reply:
     kind = value[0]
     if kind == "reply":
         _, request_id, wire = _list(value, "reply", 3)
-        try:
-            results = tuple(payload if code is None else _item_error(code, payload)
-                            for code, payload in _list(wire, "reply results"))
-        except (TypeError, ValueError):
-            raise ProtocolError("malformed reply: each result must be [code or None, value]") \
-                from None
-        return Reply(_int(request_id, "reply request_id"), results)
+        return Reply(_int(request_id, "reply request_id"), _results(wire))
     if kind == "error":
         _, request_id, code, message = _list(value, "error reply", 4)
         return Reply(_int(request_id, "error request_id"), (),
                      ItemError(_str(code, "error code"), _str(message, "error message")))
     raise ProtocolError(f"malformed reply: unknown kind {kind!r}")
+
+
+_UINT_WIDTHS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def split_reply(data: bytes) -> tuple[int, bytes] | None:
+    """(request id, packed results) of a successful reply, the results left packed; None for
+    anything else (an error reply, something malformed: `decode_reply` says what).
+
+    A client that gets the same reply bytes again (the same versions in the same places, as a
+    model's weights every step) can keep what it made of them, keyed by the packed results."""
+    head = len(_REPLY_HEAD)
+    if len(data) <= head or not data.startswith(_REPLY_HEAD):
+        return None
+    tag = data[head]
+    if tag < 0x80:  # a positive fixint
+        return tag, data[head + 1:]
+    width = _UINT_WIDTHS.get(tag)
+    if width is None or len(data) <= head + width:
+        return None
+    end = head + 1 + width
+    return int.from_bytes(data[head + 1:end], "big"), data[end:]
+
+
+def decode_results(packed: bytes) -> tuple[Any, ...]:
+    """The results of a reply from `split_reply`, as `decode_reply(...).results` gives them."""
+    return _results(_unpack(packed, "reply results"))
 
 
 # --- the fd channel -----------------------------------------------------------------------
