@@ -75,6 +75,18 @@ DAEMON_TEST_SETTINGS: dict[str, Any] = {
 }
 
 
+# A small node for the NVMe-tier tests that replay steps: an 8 MiB CPU tier in 4 MiB segments.
+PREFETCH_SETTINGS: dict[str, Any] = {
+    "cpu.budget_bytes": 8 * 1024 * 1024,
+    "cpu.segment_bytes": 4 * 1024 * 1024,
+    "nvme.stripe_bytes": 1024 * 1024,
+    "nvme.file_grow_bytes": 16 * 1024 * 1024,
+    "nvme.write_behind_bytes": 2 * 1024 * 1024,
+    "io.num_threads": 2,
+    "io.queue_depth": 8,
+}
+
+
 def short_tmp_root() -> str:
     """A fresh folder short enough for Unix socket paths (108 bytes), on the real disk."""
     return tempfile.mkdtemp(prefix="inf-", dir=DISK_TMP_ROOT)

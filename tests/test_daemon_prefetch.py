@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import RunningDaemon, short_tmp_root, start_daemon_process
+from conftest import PREFETCH_SETTINGS, RunningDaemon, short_tmp_root, start_daemon_process
 
 MiB = 1024 * 1024
 SPAWN = multiprocessing.get_context("spawn")
@@ -30,15 +30,6 @@ LAYER_SHAPE = (257, 1021)
 NUM_LAYERS = 32
 COMPUTE_S = 0.004
 
-PREFETCH_SETTINGS: dict[str, Any] = {
-    "cpu.budget_bytes": 8 * MiB,
-    "cpu.segment_bytes": 4 * MiB,
-    "nvme.stripe_bytes": MiB,
-    "nvme.file_grow_bytes": 16 * MiB,
-    "nvme.write_behind_bytes": 2 * MiB,
-    "io.num_threads": 2,
-    "io.queue_depth": 8,
-}
 
 
 class PrefetchStore:

@@ -34,6 +34,8 @@ REQUESTS: list[wire.Request] = [
     wire.Exists((wire.TensorRef("ns", "x"),)),
     wire.ListTensors((wire.ListItem("ns", "layer."),)),
     wire.Step("ns", "begin"),
+    wire.GetAhead((wire.GetItem("ns", "next"),)),
+    wire.Upcoming("ns", 16, 1 << 30),
 ]
 
 
@@ -213,3 +215,10 @@ def test_split_reply_declines_error_replies_and_malformed_bytes() -> None:
     assert wire.split_reply(wire.encode_reply(5, [])[:6]) is None
     with pytest.raises(ProtocolError):
         wire.decode_results(b"\xc1")
+
+
+@pytest.mark.parametrize("body", [["", 4, 100], ["ns", 0, 100], ["ns", 5000, 100], ["ns", 4, 0],
+                                  ["ns", "4", 100], ["ns", 4]])
+def test_a_malformed_upcoming_is_a_protocol_error(body: list) -> None:
+    with pytest.raises(ProtocolError):
+        _decode(msgpack.packb(["upcoming", 5, body]))

@@ -170,6 +170,7 @@ class Client:
         self._request_ids = itertools.count(1)
         self._pending_lock = threading.Lock()
         self._pending_releases: list[int] = []  # shared leases released but not yet told
+        self.steps_begun = 0  # step_begin calls so far (a DeviceCache asks anew at each)
         self._segments: SegmentMap | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -286,10 +287,23 @@ class Client:
                            exclusive=exclusive, single=True)
 
     def get_many(self, names: Sequence[str], *, namespace: str = "default",
-                 exclusive: bool = False) -> Lease:
-        """Lease several tensors in one request; `with` yields the list of views, in order."""
-        return self._lease(wire.Get.for_names(namespace, names, exclusive),
+                 exclusive: bool = False, track: bool = True) -> Lease:
+        """Lease several tensors in one request; `with` yields the list of views, in order.
+
+        track=False: not one of this client's accesses for the daemon's scheduler (it does not
+        enter the step's trace): for bringing tensors somewhere ahead of their use, as
+        `DeviceCache` does with what `upcoming` names."""
+        message = wire.Get if track else wire.GetAhead
+        return self._lease(message.for_names(namespace, names, exclusive),
                            exclusive=exclusive, single=False)
+
+    def upcoming(self, *, namespace: str = "default", max_entries: int = 64,
+                 max_bytes: int = 1 << 62) -> builtins.list[tuple[str, int]]:
+        """What this client will read next in `namespace`, as the daemon's trace of its steps
+        says: (name, nbytes) pairs, soonest first, distinct. Empty while no trace replays
+        (the first step, after a change of order) and without an NVMe tier."""
+        (upcoming,) = self._call(wire.Upcoming(namespace, max_entries, max_bytes))
+        return [(str(name), int(nbytes)) for name, nbytes in upcoming]
 
     def _lease(self, request: wire.Get, *, exclusive: bool, single: bool) -> Lease:
         self._check_usable()
@@ -619,6 +633,7 @@ class Client:
         give `connect(name=...)` a stable name so a restarted process finds its trace."""
         (result,) = self._call(wire.Step(namespace, "begin"))
         self._raise_first([result])
+        self.steps_begun += 1
         return None if result is None else wire.StepReport.from_wire(result)
 
     def step_end(self, *, namespace: str = "default") -> wire.StepReport:

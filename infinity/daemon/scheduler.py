@@ -1036,6 +1036,36 @@ class Scheduler:
             return None
         return self._position(s)  # between steps: the next step's start
 
+    def upcoming(self, stream: StreamKey, *, max_entries: int,
+                 max_bytes: int) -> list[tuple[TensorKey, int]]:
+        """The stream's next reads by the trace it replays, soonest first: distinct tensors
+        (writes skipped), at most `max_entries` and `max_bytes` (the first always). Empty when
+        it replays no trace, or strayed from it. For a client's device cache, which brings
+        tensors further, into device memory, ahead of their use."""
+        s = self._streams.get(stream)
+        cursor = self._plan_cursor(s) if s is not None else None
+        if s is None or cursor is None or s.trace is None:
+            return []
+        entries = s.trace.entries
+        n = len(entries)
+        steps = n if self.config.prefetch_across_steps else n - cursor
+        out: list[tuple[TensorKey, int]] = []
+        seen: set[TensorKey] = set()
+        total = 0
+        for i in range(steps):
+            entry = entries[(cursor + i) % n]
+            if entry.write or entry.key in seen:
+                continue
+            seen.add(entry.key)
+            nbytes = self._sizes.get(entry.key, entry.nbytes)
+            if out and total + nbytes > max_bytes:
+                break
+            out.append((entry.key, nbytes))
+            total += nbytes
+            if len(out) == max_entries:
+                break
+        return out
+
     def _planning_streams(self) -> list[tuple[_Stream, int]]:
         out: list[tuple[_Stream, int]] = []
         for key in sorted(self._streams):

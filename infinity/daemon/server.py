@@ -167,6 +167,8 @@ class Daemon:
             "attach": self._attach_again,
             "hello": self._hello_again,
             "step": self._step,
+            "get_ahead": self._get_ahead,
+            "upcoming": self._upcoming,
         }
 
     # --- lifecycle ----------------------------------------------------------------
@@ -405,14 +407,19 @@ class Daemon:
         wire.Bye.from_body(body)
         self._end(session, "closed")
 
+    def _get_ahead(self, session: Session, identity: bytes, request_id: int,
+                   body: Sequence[Any]) -> None:
+        self._get(session, identity, request_id, wire.GetAhead.from_body(body).items, track=False)
+
     def _get(self, session: Session, identity: bytes, request_id: int,
-             body: Sequence[Any]) -> None:
-        message = wire.Get.from_body(body)
-        _, outcomes = self.catalog.acquire(session.id, request_id, message.items)
+             body: Sequence[Any], *, track: bool = True) -> None:
+        """track=False (get_ahead): the same leases, unseen by the scheduler."""
+        items = wire.Get.from_body(body).items if track else cast("tuple[wire.GetItem, ...]", body)
+        _, outcomes = self.catalog.acquire(session.id, request_id, items)
         results: list[Any] = []
         nbytes = 0
         missing: list[int] | None = None  # items only on NVMe: the reply waits for their loads
-        scheduler = self.scheduler
+        scheduler = self.scheduler if track else None
         stream: StreamKey | None = None
         now = 0.0
         plan_now = failed = False
@@ -763,6 +770,16 @@ class Daemon:
             stream = self._stream_of(session, version.key[0])
             self.scheduler.touched(stream, version.key, version.nbytes, time.monotonic(), write=True)
             self._plan_due = True
+
+    def _upcoming(self, session: Session, identity: bytes, request_id: int,
+                  body: Sequence[Any]) -> None:
+        message = wire.Upcoming.from_body(body)
+        upcoming: list[list[Any]] = []
+        if self.scheduler is not None:
+            stream = self._stream_of(session, message.namespace)
+            upcoming = [[key[1], nbytes] for key, nbytes in self.scheduler.upcoming(
+                stream, max_entries=message.max_entries, max_bytes=message.max_bytes)]
+        self._reply(identity, request_id, [upcoming])
 
     def _step(self, session: Session, identity: bytes, request_id: int,
               body: Sequence[Any]) -> None:

@@ -573,14 +573,55 @@ class Step:
         return cls(namespace, phase)
 
 
+@dataclass(frozen=True, slots=True)
+class GetAhead(Get):
+    """A get that is not one of the client's accesses: leases like `get` (same items and
+    results), but the scheduler does not see it, so a client bringing tensors ahead of its use
+    (into a device cache) does not disturb the trace it replays."""
+
+    OP: ClassVar[str] = "get_ahead"
+
+
+@dataclass(frozen=True, slots=True)
+class Upcoming:
+    """What this client will read next in `namespace`, by the trace its current step replays:
+    one result, a list of [name, nbytes], soonest first, distinct names, at most `max_entries`
+    of them and `max_bytes` in all (the first always). Empty when no trace is replaying, or
+    without an NVMe tier (no scheduler)."""
+
+    OP: ClassVar[str] = "upcoming"
+    namespace: str
+    max_entries: int
+    max_bytes: int
+
+    def body(self) -> list[Any]:
+        return [self.namespace, self.max_entries, self.max_bytes]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Upcoming:
+        namespace, max_entries, max_bytes = _list(body, "upcoming", 3)
+        namespace = _str(namespace, "upcoming namespace")
+        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
+            raise ProtocolError(f"malformed upcoming: the namespace must have 1 to "
+                                f"{MAX_NAMESPACE_CHARS} characters")
+        max_entries = _int(max_entries, "upcoming max_entries")
+        max_bytes = _int(max_bytes, "upcoming max_bytes")
+        if not 1 <= max_entries <= MAX_UPCOMING_ENTRIES or max_bytes < 1:
+            raise ProtocolError(f"malformed upcoming: max_entries must be 1 to "
+                                f"{MAX_UPCOMING_ENTRIES} and max_bytes positive")
+        return cls(namespace, max_entries, max_bytes)
+
+
+MAX_UPCOMING_ENTRIES = 4096
+
 Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
-                Delete, Exists, ListTensors, Step]
+                Delete, Exists, ListTensors, Step, GetAhead, Upcoming]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitDurable,
     FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors, Step)}
+    ListTensors, Step, GetAhead, Upcoming)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})

@@ -1,0 +1,459 @@
+"""The GPU tier: a client-side cache of tensors in device memory, within a byte budget.
+
+Only the process that owns a device can hold its memory, so this tier lives in
+the client. `DeviceCache.get(name)` leases the tensor from the daemon as any get
+does (one request: it is the step's access that the daemon's trace sees, and it
+says which version is current), then answers from device memory when the cached
+copy is of that version, else copies the CPU-tier view over. After each get it
+brings what comes next into device memory: it asks the daemon what the client's
+trace reads next (`Client.upcoming`, once per window, not per get), leases those
+tensors without making them accesses (`get_many(track=False)`) and starts their
+copies, within the budget and without evicting anything needed sooner.
+
+Copies go through a `DeviceCopier`, the small device-copy interface:
+`CudaCopier` copies on a side stream from pinned (registered) shared memory, and
+the compute stream waits on an event, never the CPU; `CpuCopier` copies into
+ordinary memory at once, so that the budget, eviction and prefetch logic run
+and are tested on machines without a GPU.
+
+Eviction: a cached tensor not in use and not being copied, by next use in the
+known upcoming order (what is needed last goes first; what is not upcoming,
+least recently used first). A tensor handed out by `get` is held until its
+`DeviceLease` is released and is never evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from infinity.errors import (InvalidRequestError, LeaseError, NotFoundError, TierFullError,
+                             TooLargeError)
+
+if TYPE_CHECKING:
+    from infinity.client.client import Client, Lease
+
+
+_QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
+
+
+class DeviceCopier(Protocol):
+    """Moves a CPU-tier view into device memory."""
+
+    device: torch.device
+
+    def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A device tensor like `src`, and a ticket for the copy into it, started now."""
+        ...
+
+    def finished(self, ticket: Any) -> bool:
+        """Whether the copy is done (then its source may be released); never blocks."""
+        ...
+
+    def wait(self, ticket: Any) -> None:
+        """Make work issued from now on see the copy's result (CUDA: the current stream waits)."""
+        ...
+
+    def synchronize(self, ticket: Any) -> None:
+        """Block until the copy is done (before its source lease may go back early)."""
+        ...
+
+
+class CpuCopier:
+    """The CPU as the device: a copy into ordinary memory, finished when `start` returns."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return src.clone(), None
+
+    def finished(self, ticket: Any) -> bool:
+        return True
+
+    def wait(self, ticket: Any) -> None:
+        pass
+
+    def synchronize(self, ticket: Any) -> None:
+        pass
+
+
+class CudaCopier:
+    """Host-to-device copies on a side stream, overlapping the compute stream.
+
+    `register(ranges)` pins the client's shared-memory segments (cudaHostRegister), so copies
+    from them are DMA; unregistered memory still copies, through the driver's staging."""
+
+    def __init__(self, device: torch.device | str | int = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise InvalidRequestError(f"CudaCopier needs a CUDA device, not {self.device}; "
+                                      f"use CpuCopier for the CPU")
+        if not torch.cuda.is_available():
+            raise InvalidRequestError("CUDA is not available to this process (no GPU, or a "
+                                      "CPU-only torch); use CpuCopier")
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.registered: list[tuple[int, int]] = []
+
+    def register(self, ranges: list[tuple[int, int, int]]) -> list[str]:
+        """Pin each (segment, start, end) not yet pinned; returns a sentence per failure."""
+        failures = []
+        cudart = torch.cuda.cudart()
+        for segment, start, end in ranges:
+            if (start, end) in self.registered:
+                continue
+            status = cudart.cudaHostRegister(start, end - start, 0)
+            if int(status) != 0:
+                failures.append(f"segment {segment}: cudaHostRegister returned {int(status)}; "
+                                f"its copies are not DMA from pinned memory")
+            else:
+                self.registered.append((start, end))
+        return failures
+
+    def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event.record(self.stream)
+        dst.record_stream(self.stream)  # the allocator must not reuse it while the copy runs
+        return dst, event
+
+    def finished(self, ticket: Any) -> bool:
+        return bool(ticket.query())
+
+    def wait(self, ticket: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(ticket)
+
+    def synchronize(self, ticket: Any) -> None:
+        ticket.synchronize()
+
+
+@dataclass(eq=False)
+class _Entry:
+    name: str
+    version: int
+    tensor: torch.Tensor
+    nbytes: int
+    ticket: Any = None  # the copy under way, None once it finished
+    source: Any = None  # what the copy reads (a Lease or _SharedLease), until it finished
+    holds: int = 0  # DeviceLeases handed out and not released
+    last_use: int = 0
+    prefetched: bool = False
+
+
+@dataclass
+class DeviceCacheStats:
+    hits: int = 0  # the version was in device memory, its copy finished
+    inflight_hits: int = 0  # ... its copy still under way (the caller's stream waits for it)
+    misses: int = 0  # copied on demand
+    prefetched: int = 0  # copies started ahead of use
+    wasted_prefetches: int = 0  # prefetched copies evicted or replaced before any use
+    evictions: int = 0
+    copied_bytes: int = 0
+    used_bytes: int = 0
+    max_used_bytes: int = 0
+    upcoming_requests: int = 0
+    prefetch_errors: int = 0  # prefetch leases refused (a name deleted meanwhile, ...)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class DeviceLease:
+    """A tensor in device memory, held (never evicted) until `release` or the end of `with`."""
+
+    def __init__(self, cache: DeviceCache, entry: _Entry) -> None:
+        self._cache = cache
+        self._entry: _Entry | None = entry
+        self.tensor = entry.tensor
+        self.version = entry.version
+
+    def __enter__(self) -> torch.Tensor:
+        return self.tensor
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._entry is not None:
+            self._entry.holds -= 1
+            self._entry = None
+
+
+@dataclass
+class _Window:
+    """The upcoming reads the daemon named, and how far the client is through them."""
+
+    names: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
+    position: int = 0  # index of the next expected get in `names`
+
+    def next_use(self, name: str) -> int | None:
+        """How many gets from now `name` is needed, by this window; None if not in it."""
+        try:
+            return self.names.index(name, self.position) - self.position
+        except ValueError:
+            return None
+
+
+class DeviceCache:
+    """Tensors of one namespace in device memory, at most `budget_bytes` of them.
+
+    `lookahead_entries` bounds how many upcoming tensors one window names. A tensor larger
+    than the budget is TooLargeError; a get that finds the budget held by leased tensors is
+    TierFullError (release some, or give the cache a larger budget).
+    """
+
+    def __init__(self, client: Client, *, budget_bytes: int, copier: DeviceCopier | None = None,
+                 namespace: str = "default", lookahead_entries: int = 64,
+                 prefetch: bool = True) -> None:
+        if budget_bytes <= 0:
+            raise InvalidRequestError(f"budget_bytes is {budget_bytes}; give the device cache a "
+                                      f"positive number of bytes")
+        if lookahead_entries < 1:
+            raise InvalidRequestError("lookahead_entries must be at least 1")
+        self.client = client
+        self.budget_bytes = budget_bytes
+        self.copier: DeviceCopier = copier if copier is not None else CpuCopier()
+        self.namespace = namespace
+        self.lookahead_entries = lookahead_entries
+        self.prefetch_enabled = prefetch
+        self.stats = DeviceCacheStats()
+        self._entries: dict[str, _Entry] = {}
+        self._uses = itertools.count(1)
+        self._window = _Window()
+        self._quiet_gets = 0
+        self._steps_seen = client.steps_begun
+        register = getattr(self.copier, "register", None)
+        self.registration_failures: list[str] = register(client.segment_ranges()) if register else []
+
+    # --- the API ------------------------------------------------------------------
+
+    def get(self, name: str) -> DeviceLease:
+        """`name`'s current version in device memory; `with cache.get(name) as t:`."""
+        self._reap()
+        lease = self.client.get(name, namespace=self.namespace)
+        try:
+            entry = self._entries.get(name)
+            if entry is not None and entry.version == lease.version:
+                if entry.ticket is None or self.copier.finished(entry.ticket):
+                    self.stats.hits += 1
+                else:
+                    self.stats.inflight_hits += 1
+                entry.prefetched = False
+                lease.release()
+            else:
+                if entry is not None:
+                    self._drop(entry)  # an older version
+                entry = self._copy(name, lease)
+                self.stats.misses += 1
+        except BaseException:
+            lease.release()
+            raise
+        if entry.ticket is not None:
+            self.copier.wait(entry.ticket)
+        entry.holds += 1
+        entry.last_use = next(self._uses)
+        self._advance(name)
+        if self.prefetch_enabled:
+            self._prefetch()
+        return DeviceLease(self, entry)
+
+    def clear(self) -> None:
+        """Drop every cached tensor not held (their device memory goes back to torch)."""
+        self._reap()
+        for entry in list(self._entries.values()):
+            if entry.holds == 0 and entry.ticket is None:
+                self._drop(entry)
+
+    def cached(self) -> dict[str, int]:
+        """name -> version of what is in device memory now."""
+        return {name: entry.version for name, entry in self._entries.items()}
+
+    # --- the window ------------------------------------------------------------------
+
+    def _advance(self, name: str) -> None:
+        window = self._window
+        if window.position < len(window.names) and window.names[window.position] == name:
+            window.position += 1
+        else:
+            self._window = _Window()  # not what the daemon said: ask again
+
+    def _refresh_window(self) -> None:
+        if self.client.steps_begun != self._steps_seen:
+            self._steps_seen = self.client.steps_begun
+            self._quiet_gets = 0  # a new step: its trace may replay now
+        if self._quiet_gets:
+            self._quiet_gets -= 1  # the daemon had nothing to say lately: do not ask every get
+            return
+        self.stats.upcoming_requests += 1
+        # Further than the budget reaches: names beyond it still order the evictions.
+        upcoming = self.client.upcoming(namespace=self.namespace,
+                                        max_entries=self.lookahead_entries,
+                                        max_bytes=4 * self.budget_bytes)
+        self._window = _Window([n for n, _ in upcoming], dict(upcoming))
+        if not upcoming:
+            self._quiet_gets = _QUIET_GETS
+
+    # --- prefetch ------------------------------------------------------------------------
+
+    def _prefetch(self) -> None:
+        window = self._window
+        if window.position >= len(window.names):
+            self._refresh_window()
+            window = self._window
+        wanted: list[str] = []
+        planned = 0
+        for distance, name in enumerate(window.names[window.position:]):
+            nbytes = window.sizes[name]
+            if name in self._entries:
+                continue
+            if planned + nbytes > self.budget_bytes:
+                break
+            if not self._room(nbytes + planned, before=distance, dry_run=True):
+                break
+            wanted.append(name)
+            planned += nbytes
+        if not wanted:
+            return
+        try:
+            lease = self.client.get_many(wanted, namespace=self.namespace, track=False)
+        except (NotFoundError, LeaseError):
+            self.stats.prefetch_errors += 1  # deleted or leased exclusively meanwhile: ask again
+            self._window = _Window()
+            return
+        held = 0
+        try:
+            for name, view, version in zip(wanted, lease.tensors, lease.versions):
+                needed_in = window.next_use(name)
+                if needed_in is None or not self._room(view.numel() * view.element_size(),
+                                                       before=needed_in, dry_run=False):
+                    break
+                entry = self._start(name, version, view, source=None)
+                entry.prefetched = True
+                self.stats.prefetched += 1
+                held += 1
+        finally:
+            # One lease covers the batch: it goes back once every copy that reads it is done.
+            if held == 0:
+                lease.release()
+            else:
+                self._entries_sharing(lease, wanted[:held])
+
+    def _entries_sharing(self, lease: Lease, names: list[str]) -> None:
+        shared = _SharedLease(lease, len(names))
+        for name in names:
+            self._entries[name].source = shared  # type: ignore[assignment]
+        self._reap()
+
+    # --- space ---------------------------------------------------------------------------
+
+    def _copy(self, name: str, lease: Lease) -> _Entry:
+        view = lease.tensor
+        nbytes = view.numel() * view.element_size()
+        if nbytes > self.budget_bytes:
+            raise TooLargeError(
+                f"tensor {name!r} has {nbytes} bytes, more than the device cache's budget of "
+                f"{self.budget_bytes}; give the cache a larger budget_bytes or keep the tensor "
+                f"on the CPU")
+        if not self._room(nbytes, before=None, dry_run=False):
+            held = sum(e.nbytes for e in self._entries.values() if e.holds or e.ticket is not None)
+            raise TierFullError(
+                f"the device cache cannot make room for {name!r} ({nbytes} bytes): {held} of its "
+                f"{self.budget_bytes} bytes are held by tensors in use or being copied; release "
+                f"DeviceLeases sooner or give the cache a larger budget_bytes")
+        return self._start(name, lease.version, view, source=lease)
+
+    def _start(self, name: str, version: int, view: torch.Tensor, *, source: Any) -> _Entry:
+        tensor, ticket = self.copier.start(view)
+        nbytes = view.numel() * view.element_size()
+        entry = _Entry(name, version, tensor, nbytes, ticket=ticket, source=source)
+        self._entries[name] = entry
+        stats = self.stats
+        stats.copied_bytes += nbytes
+        stats.used_bytes += nbytes
+        stats.max_used_bytes = max(stats.max_used_bytes, stats.used_bytes)
+        if source is not None:
+            self._reap_entry(entry)
+        return entry
+
+    def _room(self, nbytes: int, *, before: int | None, dry_run: bool) -> bool:
+        """Make `nbytes` fit in the budget by evicting what is evictable and, when `before` is
+        given (a prefetch needed that many gets from now), needed later than that."""
+        free = self.budget_bytes - self.stats.used_bytes
+        if free >= nbytes:
+            return True
+        victims = self._victims(before)
+        room = free
+        chosen = []
+        for entry in victims:
+            if room >= nbytes:
+                break
+            chosen.append(entry)
+            room += entry.nbytes
+        if room < nbytes:
+            return False
+        if not dry_run:
+            for entry in chosen:
+                if entry.prefetched:
+                    self.stats.wasted_prefetches += 1
+                self._drop(entry)
+                self.stats.evictions += 1
+        return True
+
+    def _victims(self, before: int | None) -> list[_Entry]:
+        """Evictable entries, the best victim first: not upcoming (least recently used first),
+        then upcoming, needed last first; with `before`, only those needed later than that."""
+        window = self._window
+        far: list[_Entry] = []
+        upcoming: list[tuple[int, _Entry]] = []
+        for entry in self._entries.values():
+            if entry.holds or entry.ticket is not None:
+                continue
+            distance = window.next_use(entry.name)
+            if distance is None:
+                far.append(entry)
+            elif before is None or distance > before:
+                upcoming.append((distance, entry))
+        far.sort(key=lambda e: e.last_use)
+        upcoming.sort(key=lambda pair: -pair[0])
+        return far + [entry for _, entry in upcoming]
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.name]
+        self.stats.used_bytes -= entry.nbytes
+        if entry.source is not None:
+            if entry.ticket is not None:
+                self.copier.synchronize(entry.ticket)  # it still reads the CPU tier
+            entry.source.release()
+            entry.source = None
+
+    # --- copies in flight ------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        for entry in list(self._entries.values()):
+            self._reap_entry(entry)
+
+    def _reap_entry(self, entry: _Entry) -> None:
+        if entry.ticket is not None and self.copier.finished(entry.ticket):
+            entry.ticket = None
+        if entry.ticket is None and entry.source is not None:
+            entry.source.release()
+            entry.source = None
+
+
+class _SharedLease:
+    """One get_many lease read by several copies: released when the last of them is done."""
+
+    def __init__(self, lease: Lease, users: int) -> None:
+        self._lease = lease
+        self._users = users
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self._lease.release()

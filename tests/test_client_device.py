@@ -1,0 +1,177 @@
+"""The client's device cache (the GPU tier) through a real infinityd with an NVMe tier.
+
+Here the device is the CPU (`CpuCopier`): the budget, the prefetch from the daemon's trace and
+the eviction order are the same code a GPU runs, only the copy differs; the CUDA copier's own
+test runs where a GPU is present and is skipped otherwise. Layers are odd-sized tensors filled
+with their index, so every device tensor is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import PREFETCH_SETTINGS, RunningDaemon, short_tmp_root, start_daemon_process
+from infinity.client.device import CpuCopier, CudaCopier, DeviceCache
+from infinity.errors import InvalidRequestError, TierFullError, TooLargeError
+
+MiB = 1024 * 1024
+LAYER_SHAPE = (129, 1021)  # a little over 512 KiB
+LAYER_BYTES = 129 * 1021 * 4
+NUM_LAYERS = 16
+
+
+
+@pytest.fixture
+def nvme_daemon() -> Iterator[RunningDaemon]:
+    root = short_tmp_root()
+    os.mkdir(os.path.join(root, "nvme"))
+    daemon = start_daemon_process(root, **{"nvme.dirs": [os.path.join(root, "nvme")],
+                                           **PREFETCH_SETTINGS})
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def write_layers(client: Any) -> None:
+    for i in range(NUM_LAYERS):
+        client.write_from(f"layer{i}", torch.full(LAYER_SHAPE, float(i)))
+
+
+def device_step(client: Any, cache: DeviceCache, order: list[int]) -> list[int]:
+    """One step through the cache, checking each tensor; the device bytes in use at each get."""
+    used = []
+    with client.step():
+        for i in order:
+            with cache.get(f"layer{i}") as t:
+                assert t.shape == LAYER_SHAPE and t[0, 0].item() == i and t[-1, -1].item() == i
+                used.append(cache.stats.used_bytes)
+    return used
+
+
+def test_a_replayed_step_finds_its_tensors_in_device_memory_and_stays_in_budget(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    write_layers(client)
+    budget = 4 * LAYER_BYTES  # a quarter of the layers
+    cache = DeviceCache(client, budget_bytes=budget, copier=CpuCopier())
+    order = list(range(NUM_LAYERS))
+    device_step(client, cache, order)  # recorded: nothing known ahead
+    first = cache.stats.as_dict()
+    assert first["misses"] == NUM_LAYERS and first["prefetched"] == 0
+    used = device_step(client, cache, order)  # replayed
+    used += device_step(client, cache, order)
+    stats = cache.stats.as_dict()
+    hits = stats["hits"] + stats["inflight_hits"] - first["hits"] - first["inflight_hits"]
+    accesses = 2 * NUM_LAYERS
+    # After the first get of the replayed step (which asks what comes next) every one is a hit.
+    assert hits >= 0.95 * (accesses - 1), stats
+    assert max(used) <= budget and stats["max_used_bytes"] <= budget, stats
+    assert stats["wasted_prefetches"] == 0, stats
+    assert stats["upcoming_requests"] <= 2 * accesses // 3, stats  # one per window, not per get
+
+
+def test_a_new_version_is_copied_again_not_served_stale(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("w", torch.zeros(1000))
+    cache = DeviceCache(client, budget_bytes=MiB, prefetch=False)
+    with cache.get("w") as t:
+        assert float(t.sum()) == 0.0
+    with cache.get("w") as t:
+        assert float(t.sum()) == 0.0
+    assert (cache.stats.hits, cache.stats.misses) == (1, 1)
+    client.put("w", torch.ones(1000))
+    with cache.get("w") as t:
+        assert float(t.sum()) == 1000.0
+    assert cache.stats.misses == 2 and cache.stats.used_bytes == 4000
+
+
+def test_a_held_tensor_is_never_evicted_and_a_full_budget_is_a_typed_error(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for name in ("a", "b", "c"):
+        client.put(name, torch.full((1000,), float(ord(name))))
+    cache = DeviceCache(client, budget_bytes=8000, prefetch=False)  # two of them
+    held_a, held_b = cache.get("a"), cache.get("b")
+    with pytest.raises(TierFullError, match="held by tensors in use"):
+        cache.get("c")
+    assert set(cache.cached()) == {"a", "b"}
+    assert float(held_a.tensor[0]) == ord("a") and float(held_b.tensor[0]) == ord("b")
+    held_a.release()
+    with cache.get("c") as t:  # a, released and least recently used, makes room
+        assert float(t[0]) == ord("c")
+    assert set(cache.cached()) == {"b", "c"}
+    held_b.release()
+    assert client.stats()["catalog"]["num_leases"] == 0  # every CPU-tier lease went back
+
+
+def test_a_tensor_larger_than_the_budget_is_too_large(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("big", torch.zeros(1001))
+    cache = DeviceCache(client, budget_bytes=4000)
+    with pytest.raises(TooLargeError, match="larger budget_bytes"):
+        cache.get("big")
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_without_a_trace_the_cache_works_and_asks_the_daemon_rarely(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for i in range(5):
+        client.put(f"t{i}", torch.full((100,), float(i)))
+    cache = DeviceCache(client, budget_bytes=MiB)
+    for _ in range(4):
+        for i in range(5):
+            with cache.get(f"t{i}") as t:
+                assert float(t[0]) == i
+    stats = cache.stats.as_dict()
+    assert stats["misses"] == 5 and stats["hits"] == 15 and stats["prefetched"] == 0
+    assert stats["upcoming_requests"] <= 3, stats  # no trace (no step markers): asked, then quiet
+
+
+def test_prefetch_leases_are_not_accesses_of_the_trace(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    write_layers(client)
+    order = list(range(NUM_LAYERS))
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES)
+    for _ in range(3):
+        device_step(client, cache, order)
+    (entry,) = [c for c in client.stats()["scheduler"]["clients"] if c["client"] == "trainer"]
+    assert entry["last_step"]["outcome"] == "replayed", entry  # the extra gets did not divert it
+    assert client.upcoming(max_entries=3) == [(f"layer{i}", LAYER_BYTES) for i in range(3)]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="positive number of bytes"):
+        DeviceCache(None, budget_bytes=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copier_brings_tensors_to_the_gpu_from_pinned_shared_memory(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    write_layers(client)
+    copier = CudaCopier("cuda")
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
+    assert cache.registration_failures == []
+    for _ in range(3):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with cache.get("layer3") as t:
+        assert t.device.type == "cuda" and torch.equal(t.cpu(), torch.full(LAYER_SHAPE, 3.0))
+    assert cache.stats.prefetched > 0
+
+
+def test_without_an_nvme_tier_nothing_is_upcoming_and_the_cache_still_serves(client: Any) -> None:
+    client.put("x", torch.arange(10.0))
+    assert client.upcoming() == []
+    cache = DeviceCache(client, budget_bytes=MiB)
+    with cache.get("x") as t:
+        assert torch.equal(t, torch.arange(10.0))
+    assert cache.stats.misses == 1
