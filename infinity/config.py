@@ -52,9 +52,9 @@ class IOConfig:
     block_size_bytes: int = 1 * MiB
     queue_depth: int = 32
     num_threads: int = 0  # 0: min(4, cores)
-    # Each worker thread's staging memory for staged reads (`nvme.staged_reads`), in whole
-    # blocks (at least one); it also bounds that thread's staged reads in flight. Small, so
-    # that staged data is still in the last-level cache when it is checked and copied out.
+    # Each worker thread's staging memory for staged ops (`nvme.staged_io`), in whole blocks
+    # (at least one); it also bounds that thread's staged ops in flight. Small, so that staged
+    # data is still in the last-level cache when it is checked and copied.
     staging_bytes: int = 4 * MiB
 
     def validate(self) -> None:
@@ -91,10 +91,11 @@ class NvmeConfig:
     # When eviction meets dirty tensors, the tier keeps up to this many more bytes of the
     # coldest dirty tensors being written back, so that later evictions find clean victims.
     write_behind_bytes: int = 256 * MiB
-    # Reads land in the engine's huge-page staging memory and are copied into the CPU tier:
-    # a disk (notably a virtual one) reads into scattered 4 KiB pages, which the tier's shared
-    # memory has without shmem huge pages, far slower. auto: on unless the tier gets huge pages.
-    staged_reads: str = "auto"
+    # Loads and write-backs go through the engine's huge-page staging memory (a copy into or
+    # out of the CPU tier): a disk (notably a virtual one) moves data to and from scattered
+    # 4 KiB pages, which the tier's shared memory has without shmem huge pages, far slower.
+    # auto: on unless the tier gets huge pages.
+    staged_io: str = "auto"
 
     def validate(self) -> None:
         _require(
@@ -117,7 +118,7 @@ class NvmeConfig:
         )
         _require(1 <= self.stream_depth <= 64, "nvme.stream_depth must be between 1 and 64")
         _require(self.write_behind_bytes >= 0, "nvme.write_behind_bytes must be 0 (off) or more")
-        _require(self.staged_reads in ("auto", "on", "off"), "nvme.staged_reads must be auto, on or off")
+        _require(self.staged_io in ("auto", "on", "off"), "nvme.staged_io must be auto, on or off")
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@
 // that worker or an idle one. The worker that finishes the last chunk of an
 // op retires the op, and the one that retires the last op of a batch
 // publishes the batch under done_mu_ and signals the eventfd.
-// A staged read (OpSpec::staged) lands in the slot's block of its worker's
-// staging area; the worker copies it to the destination before it checks the
-// CRC and gives the slot back, so a slot's staging block is never shared.
+// A staged read (OpSpec::staged) lands in a block of its worker's staging
+// area; the worker checks the CRC and copies it to the destination before it
+// gives the slot and the block back. A staged write is copied into a block
+// before it is issued and goes out from there. A block serves one chunk at a time.
 #include "engine.h"
 
 #include <pthread.h>
@@ -263,8 +264,8 @@ void validate(const OpSpec& s, size_t i) {
       throw std::invalid_argument(where + ": crc_addr " + hex(s.crc_addr) +
                                   " is not 4-byte aligned; it must point to an array of uint32");
   }
-  if (s.staged && (s.is_write || !s.direct))
-    throw std::invalid_argument(where + ": staged applies to O_DIRECT reads only; pass staged=False");
+  if (s.staged && !s.direct)
+    throw std::invalid_argument(where + ": staged applies to O_DIRECT ops only; pass staged=False");
   if (s.direct) {
     const char* advice =
         " is not a multiple of 4096; O_DIRECT needs the buffer address, nbytes and file offset "
@@ -496,6 +497,12 @@ void Engine::stage_chunk(Staging& st, Chunk& c) const noexcept {
     c.stage = st.free_blocks.back();
     st.free_blocks.pop_back();
   }
+}
+
+void Engine::fill_stage(const Chunk& c) {
+  // The write goes out from contiguous memory; its CRC is taken from the source as before.
+  copy_bytes(c.stage, c.op->buf + c.pos, c.len, 1);
+  staged_bytes_.fetch_add(c.len, std::memory_order_relaxed);
 }
 
 void Engine::land_staged(Chunk& c) {
@@ -753,6 +760,7 @@ void Engine::uring_worker(size_t index) {
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
       stage_chunk(staging, c);
+      if (c.stage != nullptr && c.op->is_write) fill_stage(c);
       slots[s] = c;
       ++busy;
       queue(s);
@@ -784,7 +792,7 @@ void Engine::uring_worker(size_t index) {
     const unsigned reaped = ring.reap([&](uint64_t ud, int res) {
       const uint32_t s = static_cast<uint32_t>(ud);
       Chunk& c = slots[s];
-      if (res > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(res) == c.len) {
+      if (res > 0 && c.stage != nullptr && !c.op->is_write && c.done + static_cast<uint64_t>(res) == c.len) {
         c.done = c.len;
         landing.push_back(s);  // copied out next round, after the free slots are refilled
         return;
@@ -860,6 +868,7 @@ void Engine::aio_worker(size_t index) {
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
       stage_chunk(staging, c);
+      if (c.stage != nullptr && c.op->is_write) fill_stage(c);
       slots[s] = c;
       ++busy;
       prepare(s);
@@ -932,7 +941,7 @@ void Engine::aio_worker(size_t index) {
       const uint32_t s = static_cast<uint32_t>(ev.data);
       Chunk& c = slots[s];
       --in_kernel;
-      if (ev.res > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(ev.res) == c.len) {
+      if (ev.res > 0 && c.stage != nullptr && !c.op->is_write && c.done + static_cast<uint64_t>(ev.res) == c.len) {
         c.done = c.len;
         landing.push_back(s);
         continue;
@@ -969,13 +978,14 @@ void Engine::sync_worker() {
     }
     if (op->crc && op->is_write) crc_job(c);
     stage_chunk(staging, c);
+    if (c.stage != nullptr && op->is_write) fill_stage(c);
     unsigned char* const block = c.stage;
     for (;;) {
       const size_t want = static_cast<size_t>(c.len - c.done);
       const off_t off = static_cast<off_t>(op->offset + c.pos + c.done);
       unsigned char* at = io_address(c);
       const ssize_t r = op->is_write ? pwrite(op->fd, at, want, off) : pread(op->fd, at, want, off);
-      if (r > 0 && c.stage != nullptr && c.done + static_cast<uint64_t>(r) == c.len) {
+      if (r > 0 && c.stage != nullptr && !op->is_write && c.done + static_cast<uint64_t>(r) == c.len) {
         c.done = c.len;
         land_staged(c);
         break;

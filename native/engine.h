@@ -30,11 +30,12 @@ struct OpSpec {
   bool direct = true;
   uint64_t crc_addr = 0;  // 0: no checksums
   int64_t crc_block_bytes = 0;
-  // O_DIRECT reads only: land each block in the worker's staging area (anonymous
-  // memory on huge pages) and copy it to buf_addr from there. A virtual disk
-  // serves a read into scattered 4 KiB pages (a shared-memory tier without huge
-  // pages) at about two-thirds of its speed into contiguous memory; the copy
-  // costs a fraction of that on a core the disk leaves idle.
+  // O_DIRECT ops only: move each block through the worker's staging area
+  // (anonymous memory on huge pages): a read lands there and is copied to
+  // buf_addr, a write is copied there from buf_addr and goes out from there. A
+  // virtual disk serves transfers to and from scattered 4 KiB pages (a
+  // shared-memory tier without huge pages) at a third to four-fifths of its speed
+  // with contiguous memory; the copy costs a fraction of that.
   bool staged = false;
 };
 
@@ -93,8 +94,8 @@ class Engine {
   // Why "auto" did not pick io_uring (empty when it did or was not asked).
   const std::string& backend_note() const noexcept { return backend_note_; }
   int completion_fd() const;
-  // Bytes that staged reads brought in through the staging memory so far (not
-  // counting those that fell back to a direct read for want of that memory).
+  // Bytes that staged ops moved through the staging memory so far (not counting
+  // those that fell back to a direct transfer for want of that memory).
   uint64_t staged_bytes() const noexcept { return staged_bytes_.load(std::memory_order_relaxed); }
 
   // Validates every op first (std::invalid_argument / AlignmentViolation),
@@ -134,6 +135,7 @@ class Engine {
   };
   void stage_chunk(Staging& st, detail::Chunk& c) const noexcept;
   void land_staged(detail::Chunk& c);
+  void fill_stage(const detail::Chunk& c);
 
   static unsigned char* io_address(const detail::Chunk& c);
 

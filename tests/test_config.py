@@ -89,30 +89,30 @@ def test_a_malformed_namespace_quota_is_an_error(text: str) -> None:
         load_config(env={}, overrides=[f"scheduler.namespace_quota_bytes={text}"])
 
 
-def test_staged_reads_takes_auto_on_or_off_only() -> None:
-    assert load_config(env={}).nvme.staged_reads == "auto"
-    assert load_config(env={"INFINITY_NVME_STAGED_READS": "off"}).nvme.staged_reads == "off"
-    with pytest.raises(ConfigError, match="nvme.staged_reads must be auto, on or off"):
-        load_config(env={}, overrides=["nvme.staged_reads=yes"])
+def test_staged_io_takes_auto_on_or_off_only() -> None:
+    assert load_config(env={}).nvme.staged_io == "auto"
+    assert load_config(env={"INFINITY_NVME_STAGED_IO": "off"}).nvme.staged_io == "off"
+    with pytest.raises(ConfigError, match="nvme.staged_io must be auto, on or off"):
+        load_config(env={}, overrides=["nvme.staged_io=yes"])
 
 
 @pytest.mark.parametrize("setting, hugepages, expected", [
     ("on", True, True), ("off", False, False), ("auto", False, True)])
-def test_staged_reads_setting_decides_whether_loads_are_staged(
+def test_staged_io_setting_decides_whether_loads_and_write_backs_are_staged(
         setting: str, hugepages: bool, expected: bool) -> None:
-    from infinity.daemon.tiers import staged_reads_wanted
+    from infinity.daemon.tiers import staged_io_wanted
 
-    config = load_config(env={}, overrides=[f"nvme.staged_reads={setting}",
+    config = load_config(env={}, overrides=[f"nvme.staged_io={setting}",
                                             f"cpu.hugepages={str(hugepages).lower()}"])
-    assert staged_reads_wanted(config) is expected
+    assert staged_io_wanted(config) is expected
 
 
-def test_staged_reads_auto_follows_whether_shared_memory_gets_huge_pages() -> None:
+def test_staged_io_auto_follows_whether_shared_memory_gets_huge_pages() -> None:
     from infinity.daemon.arena import shmem_hugepages_allowed
-    from infinity.daemon.tiers import staged_reads_wanted
+    from infinity.daemon.tiers import staged_io_wanted
 
-    config = load_config(env={}, overrides=["nvme.staged_reads=auto", "cpu.hugepages=true"])
-    assert staged_reads_wanted(config) is not shmem_hugepages_allowed()
+    config = load_config(env={}, overrides=["nvme.staged_io=auto", "cpu.hugepages=true"])
+    assert staged_io_wanted(config) is not shmem_hugepages_allowed()
 
 
 def test_staging_bytes_must_be_positive() -> None:

@@ -60,13 +60,13 @@ SCRIPT = textwrap.dedent(
         crcs = (ctypes.c_uint32 * 4)()
         path = os.path.join(work, backend)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
-        assert eng.wait(eng.submit([(True, fd, src.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
+        assert eng.wait(eng.submit([(True, fd, src.address, nbytes, 0, True, ctypes.addressof(crcs), MiB, True)])) == (0, "")
         assert eng.wait(eng.submit([(False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB)])) == (0, "")
         assert bytes(memoryview(dst)) == data
         memoryview(dst)[:] = bytes(nbytes)
         staged = (False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB, True)
         assert eng.wait(eng.submit([staged])) == (0, "")
-        assert bytes(memoryview(dst)) == data and eng.staged_bytes == nbytes
+        assert bytes(memoryview(dst)) == data and eng.staged_bytes == 2 * nbytes  # written, read
         with open(path, "r+b") as f:
             f.seek(MiB)
             f.write(b"X")

@@ -307,11 +307,30 @@ def test_staged_read_past_end_of_file_is_eio_short_read(engine: _native.Engine, 
     assert bytes(memoryview(dst)[:MiB]) == bytes(memoryview(src))
 
 
-@pytest.mark.parametrize("op", [(True, 0, 4096, 4096, 0, True, 0, 0, True), (False, 0, 4096, 4096, 0, False, 0, 0, True)],
-                         ids=["write", "buffered-read"])
-def test_staged_applies_to_direct_reads_only(engine: _native.Engine, op: tuple) -> None:
-    with pytest.raises(ValueError, match="staged applies to O_DIRECT reads only"):
-        engine.submit([op])
+@pytest.mark.parametrize("is_write", [True, False], ids=["write", "read"])
+def test_staged_applies_to_direct_ops_only(engine: _native.Engine, is_write: bool) -> None:
+    with pytest.raises(ValueError, match="staged applies to O_DIRECT ops only"):
+        engine.submit([(is_write, 0, 4096, 4096, 0, False, 0, 0, True)])
+
+
+@pytest.mark.parametrize("block_size", [64 * 1024, MiB, 4 * MiB], ids=["small-chunks", "mib-chunks", "big-chunks"])
+def test_staged_write_goes_out_bit_exact_with_its_checksums(backend: str, disk_tmp: str, block_size: int) -> None:
+    nbytes = 5 * MiB + 3 * 4096
+    count = -(-nbytes // MiB)
+    eng = _native.Engine(2, 4, block_size, backend, 1)  # one staging block per worker: chunks wait
+    src, dst = random_buffer(nbytes, 25), _native.AlignedBuffer(nbytes)
+    crcs = crc_array(count)
+    fd = open_direct(os.path.join(disk_tmp, "staged-write"))
+    try:
+        assert run(eng, [(True, fd, src.address, nbytes, 8192, True, ctypes.addressof(crcs), MiB, True)]) == (0, "")
+        assert eng.staged_bytes == nbytes
+        assert run(eng, [(False, fd, dst.address, nbytes, 8192, True, ctypes.addressof(crcs), MiB)]) == (0, "")
+    finally:
+        os.close(fd)
+        eng.close()
+    assert bytes(memoryview(dst)) == bytes(memoryview(src))
+    view = memoryview(src)
+    assert list(crcs) == [_native.crc32c_buffer(view[k * MiB : min((k + 1) * MiB, nbytes)]) for k in range(count)]
 
 
 # --- failures ----------------------------------------------------------------

@@ -133,37 +133,41 @@ def test_ramfs_falls_back_to_buffered_io(engine, ramfs_dir) -> None:
     assert bitwise_equal(src, out)
 
 
-def test_staged_reads_land_bit_exact_in_shared_memory_through_the_staging_area(engine, disk_tmp) -> None:
+def test_staged_io_moves_tensors_between_shared_memory_and_disk_bit_exact(engine, disk_tmp) -> None:
     import mmap
 
     tier = NvmeTier(NvmeConfig(dirs=(disk_tmp,), file_grow_bytes=8 * MiB, stripe_bytes=MiB), engine,
-                    staged_reads=True)
+                    staged_io=True)
     sources = [random_tensor(numel, torch.float32, seed=numel) for numel in (1, 1023, 786_433)]
-    layouts = [tier.write_tensor(s).result() for s in sources]
-    # The CPU tier's kind of memory: a shared memfd mapping, 4 KiB pages here.
-    size = sum(layout.capacity_bytes for layout in layouts)
+    capacities = [-(-s.numel() * 4 // 4096) * 4096 for s in sources]
+    # The CPU tier's kind of memory: a shared memfd mapping, 4 KiB pages here. Written out from
+    # its first half, read back into its second.
+    size = 2 * sum(capacities)
     fd = os.memfd_create("staged-test")
     try:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
             shared = torch.frombuffer(mm, dtype=torch.uint8)
-            before, at = engine.staged_bytes, 0
-            for layout in layouts:
-                tier.read_into(layout, shared.data_ptr() + at).result()
-                at += layout.capacity_bytes
-            assert engine.staged_bytes - before == size
-            at = 0
-            for src, layout in zip(sources, layouts):
-                assert bitwise_equal(src, shared[at:at + layout.nbytes].view(torch.float32))
-                at += layout.capacity_bytes
+            half = size // 2
+            offsets = [sum(capacities[:i]) for i in range(len(sources))]
+            for src, at in zip(sources, offsets):
+                shared[at:at + src.numel() * 4].copy_(src.view(torch.uint8))
+            before = engine.staged_bytes
+            layouts = [tier.write_from(shared.data_ptr() + at, src.numel() * 4).result()
+                       for src, at in zip(sources, offsets)]
+            for layout, at in zip(layouts, offsets):
+                tier.read_into(layout, shared.data_ptr() + half + at).result()
+            assert engine.staged_bytes - before == size  # every byte both ways, staged
+            for src, at in zip(sources, offsets):
+                assert bitwise_equal(src, shared[half + at:half + at + src.numel() * 4].view(torch.float32))
             del shared
     finally:
         os.close(fd)
 
 
-def test_staged_reads_still_report_a_corrupted_block(engine, disk_tmp) -> None:
+def test_staged_io_still_reports_a_corrupted_block(engine, disk_tmp) -> None:
     tier = NvmeTier(NvmeConfig(dirs=(disk_tmp,), file_grow_bytes=8 * MiB, stripe_bytes=MiB), engine,
-                    staged_reads=True)
+                    staged_io=True)
     layout = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=16)).result()
     _, extent = layout.extents[0]
     with open(os.path.join(disk_tmp, EXTENT_FILE_NAME), "r+b") as f:

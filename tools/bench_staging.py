@@ -1,21 +1,22 @@
-"""Benchmark staged reads: NVMe into the CPU tier's kind of memory, direct against staged, in one run.
+"""Benchmark staged I/O: NVMe to and from the CPU tier's kind of memory, direct against staged.
 
     .venv/bin/python tools/bench_staging.py [--dir /var/tmp/infinity-bench-staging] [--rounds 5]
         [--files 16] [--file-bytes 32MiB]
 
 JSON on stdout, progress on stderr. The engine (the daemon's `[io]` settings, CRC32C per MiB
-verified) reads `--files` O_DIRECT files, 4 in flight, into three kinds of memory, taking turns
-each round so the machine's background load falls on all alike:
+computed on write and verified on read) writes `--files` O_DIRECT files, 4 in flight, and reads
+them back, with three kinds of memory, taking turns each round so the machine's background load
+falls on all alike:
 
 - private: anonymous memory on huge pages (the limit: what `bench_overlap` calls the
   engine's bandwidth);
 - shared, direct: a fresh memfd mapping like a CPU-tier segment without shmem huge pages,
-  each block read straight into it;
-- shared, staged: the same memory, each block landing in the engine's staging memory first
-  (`IOOp.staged`, `nvme.staged_reads`) and then copied in.
+  each block moved straight to or from it;
+- shared, staged: the same memory, each block going through the engine's staging memory
+  (`IOOp.staged`, `nvme.staged_io`) and a copy.
 
-Reported: GB/s per kind and round, and the medians of staged / private and staged / direct.
-Every read is checked against the bytes written.
+Reported: GB/s per direction, kind and round, and the medians of the per-round ratios staged /
+private and staged / direct. Every write's checksums and every read's bytes are checked.
 """
 
 from __future__ import annotations
@@ -84,27 +85,35 @@ def main(argv: list[str] | None = None) -> int:
         private = aligned_empty(window)
         private.fill_(1)  # faulted in from user space: huge pages where THP allows
         shared, mm, memfd = _shared_memory(window)
-        results: dict[str, list[float]] = {"private": [], "shared_direct": [], "shared_staged": []}
+        kinds = ["private", "shared_direct", "shared_staged"]
+        results: dict[str, list[float]] = {f"{d}_{k}": [] for d in ("write", "read") for k in kinds}
+        written = array.array("I", bytes(4 * len(crcs)))  # what each write computes
         with IOEngine.from_config(config.io) as engine, Progress(console=console) as progress:
-            engine.submit([IOOp.write(fd=fd, address=source.data_ptr(), nbytes=size, offset=0)
-                           for fd in fds]).result()
-            task = progress.add_task("reads", total=args.rounds * len(results))
-            kinds = list(results)
+            task = progress.add_task("writes and reads", total=args.rounds * len(results))
+
+            def timed(make: Any, buf: torch.Tensor, crc_address: int, staged: bool) -> float:
+                start = time.perf_counter()
+                for first in range(0, count, IN_FLIGHT):
+                    engine.submit([make(fd=fd, address=buf.data_ptr() + k * size, nbytes=size,
+                                        offset=0, crc_address=crc_address, staged=staged)
+                                   for k, fd in enumerate(fds[first:first + IN_FLIGHT])]).result()
+                return count * size / (time.perf_counter() - start) / 1e9
+
             for round_ in range(args.rounds):
                 for kind in kinds[round_ % 3:] + kinds[:round_ % 3]:
-                    buf = private if kind == "private" else shared
-                    start = time.perf_counter()
-                    for first in range(0, count, IN_FLIGHT):
-                        group = fds[first:first + IN_FLIGHT]
-                        engine.submit([IOOp.read(fd=fd, address=buf.data_ptr() + k * size, nbytes=size,
-                                                 offset=0, crc_address=crcs.buffer_info()[0],
-                                                 staged=kind == "shared_staged")
-                                       for k, fd in enumerate(group)]).result()
-                    results[kind].append(count * size / (time.perf_counter() - start) / 1e9)
-                    if not torch.equal(buf[:size], pattern):
-                        raise SystemExit(f"{kind}: the bytes read differ from those written")
+                    buf, staged = (private if kind == "private" else shared), kind == "shared_staged"
+                    for k in range(IN_FLIGHT):
+                        buf[k * size:(k + 1) * size].copy_(pattern)
+                    results[f"write_{kind}"].append(
+                        timed(IOOp.write, buf, written.buffer_info()[0], staged))
+                    if written != crcs:
+                        raise SystemExit(f"{kind}: the writes' checksums differ from the data's")
                     buf.zero_()
-                    progress.advance(task)
+                    results[f"read_{kind}"].append(timed(IOOp.read, buf, crcs.buffer_info()[0], staged))
+                    if not all(torch.equal(buf[k * size:(k + 1) * size], pattern)
+                               for k in range(IN_FLIGHT)):
+                        raise SystemExit(f"{kind}: the bytes read differ from those written")
+                    progress.advance(task, 2)
             staged_bytes = engine.staged_bytes
         del shared, buf
         mm.close()
@@ -124,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                      "io": dataclasses.asdict(config.io)},
         "gbps": {kind: [round(v, 3) for v in values] for kind, values in results.items()},
         "median_gbps": {kind: median(kind) for kind in results},
-        "staged_over_private": round(statistics.median(
-            s / p for s, p in zip(results["shared_staged"], results["private"])), 3),
-        "staged_over_direct": round(statistics.median(
-            s / d for s, d in zip(results["shared_staged"], results["shared_direct"])), 3),
+        **{f"{d}_staged_over_{other}": round(statistics.median(
+            s / o for s, o in zip(results[f"{d}_shared_staged"], results[f"{d}_{ref}"])), 3)
+           for d in ("write", "read") for other, ref in (("private", "private"),
+                                                         ("direct", "shared_direct"))},
         "staged_bytes": staged_bytes,
     }
     print(json.dumps(out, indent=1))

@@ -177,10 +177,10 @@ class _Candidates(Mapping[Key, int]):
 _FREED, _PENDING, _NOTHING, _RETRY = "freed", "pending", "nothing", "retry"
 
 
-def staged_reads_wanted(config: InfinityConfig) -> bool:
-    """Whether loads go through the engine's staging memory (nvme.staged_reads; auto: when the
-    CPU tier's shared memory cannot get huge pages, so a direct read would scatter)."""
-    setting = config.nvme.staged_reads
+def staged_io_wanted(config: InfinityConfig) -> bool:
+    """Whether loads and write-backs go through the engine's staging memory (nvme.staged_io;
+    auto: when the CPU tier's shared memory cannot get huge pages, so direct I/O scatters)."""
+    setting = config.nvme.staged_io
     if setting != "auto":
         return setting == "on"
     return not (config.cpu.hugepages and shmem_hugepages_allowed())
@@ -232,7 +232,7 @@ class TierManager:
         engine = IOEngine.from_config(self.config.io)
         nvme: NvmeTier | None = None
         try:
-            nvme = NvmeTier(self.config.nvme, engine, staged_reads=staged_reads_wanted(self.config))
+            nvme = NvmeTier(self.config.nvme, engine, staged_io=staged_io_wanted(self.config))
             self.index = DurableIndex(nvme)
         except BaseException:
             if nvme is not None:

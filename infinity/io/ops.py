@@ -18,9 +18,10 @@ class IOOp:
     pread/pwrite pool. crc_address: 0, or the address of
     uint32[crc_count(nbytes)] that a write fills with the CRC32C of each
     `crc_block_bytes` block and a read verifies against. staged (direct
-    reads only): each block lands in the engine's huge-page staging memory
-    and is copied to `address` from there, which is faster on disks that
-    slow down for scattered 4 KiB pages (see `NvmeConfig.staged_reads`).
+    ops only): each block moves through the engine's huge-page staging memory
+    (a read lands there and is copied to `address`, a write is copied there
+    first), which is faster on disks that slow down for scattered 4 KiB pages
+    (see `NvmeConfig.staged_io`).
     """
 
     is_write: bool
@@ -42,9 +43,10 @@ class IOOp:
 
     @classmethod
     def write(cls, *, fd: int, address: int, nbytes: int, offset: int, direct: bool = True,
-              crc_address: int = 0, crc_block_bytes: int = CRC_BLOCK_BYTES) -> IOOp:
+              crc_address: int = 0, crc_block_bytes: int = CRC_BLOCK_BYTES,
+              staged: bool = False) -> IOOp:
         return cls(is_write=True, fd=fd, address=address, nbytes=nbytes, offset=offset, direct=direct,
-                   crc_address=crc_address, crc_block_bytes=crc_block_bytes)
+                   crc_address=crc_address, crc_block_bytes=crc_block_bytes, staged=staged)
 
     def crc_count(self) -> int:
         """How many uint32 checksums this op reads or writes at crc_address."""
