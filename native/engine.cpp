@@ -483,13 +483,13 @@ unsigned char* Engine::staging_area(std::unique_ptr<AlignedBuffer>& keep, size_t
   return area;
 }
 
-void Engine::stage_chunk(Staging& st, Chunk& c) const noexcept {
+void Engine::stage_chunk(Staging& st, Chunk& c, size_t blocks) const noexcept {
   c.stage = nullptr;
   if (!c.op->staged) return;
   if (!st.tried) {
     st.tried = true;
-    unsigned char* area = staging_area(st.keep, staging_blocks_);
-    for (size_t i = 0; area != nullptr && i < staging_blocks_; ++i) st.free_blocks.push_back(area + i * block_);
+    unsigned char* area = staging_area(st.keep, blocks);
+    for (size_t i = 0; area != nullptr && i < blocks; ++i) st.free_blocks.push_back(area + i * block_);
   }
   // take_chunks handed out no more staged chunks than there are free blocks; without
   // staging memory (mmap failed) the chunk is read straight into its destination.
@@ -759,7 +759,7 @@ void Engine::uring_worker(size_t index) {
       }
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
-      stage_chunk(staging, c);
+      stage_chunk(staging, c, staging_blocks_);
       if (c.stage != nullptr && c.op->is_write) fill_stage(c);
       slots[s] = c;
       ++busy;
@@ -867,7 +867,7 @@ void Engine::aio_worker(size_t index) {
       }
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
-      stage_chunk(staging, c);
+      stage_chunk(staging, c, staging_blocks_);
       if (c.stage != nullptr && c.op->is_write) fill_stage(c);
       slots[s] = c;
       ++busy;
@@ -977,7 +977,7 @@ void Engine::sync_worker() {
       continue;
     }
     if (op->crc && op->is_write) crc_job(c);
-    stage_chunk(staging, c);
+    stage_chunk(staging, c, 1);  // one chunk at a time: one block
     if (c.stage != nullptr && op->is_write) fill_stage(c);
     unsigned char* const block = c.stage;
     for (;;) {

@@ -133,7 +133,7 @@ class Engine {
       return !tried ? blocks : keep != nullptr ? free_blocks.size() : SIZE_MAX;
     }
   };
-  void stage_chunk(Staging& st, detail::Chunk& c) const noexcept;
+  void stage_chunk(Staging& st, detail::Chunk& c, size_t blocks) const noexcept;
   void land_staged(detail::Chunk& c);
   void fill_stage(const detail::Chunk& c);
 

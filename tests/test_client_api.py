@@ -173,3 +173,21 @@ def test_the_default_client_name_carries_the_rank_of_a_distributed_launch(
     assert _default_name() == "train.py"
     monkeypatch.setenv("RANK", "3")  # torchrun: each rank keeps its own step trace
     assert _default_name() == "train.py-rank3"
+
+
+def test_a_get_whose_views_cannot_be_made_gives_its_lease_back(
+        client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from infinity.errors import ProtocolError
+
+    client.put("x", torch.arange(10.0))
+
+    def fail(results: Any) -> Any:
+        # Injected: a daemon that names a segment it never handed over cannot be made here.
+        raise ProtocolError("infinityd did not hand over segment 7")
+
+    monkeypatch.setattr(client._segments, "_views_of", fail)
+    with pytest.raises(ProtocolError):
+        client.get("x")
+    monkeypatch.undo()
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0

@@ -175,3 +175,72 @@ def test_without_an_nvme_tier_nothing_is_upcoming_and_the_cache_still_serves(cli
     with cache.get("x") as t:
         assert torch.equal(t, torch.arange(10.0))
     assert cache.stats.misses == 1
+
+
+def test_upcoming_names_only_the_namespace_asked_about(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for i in range(4):
+        client.put(f"w{i}", torch.full((100,), float(i)), namespace="other")
+        client.put(f"d{i}", torch.full((100,), float(i)))
+    for _ in range(3):  # one step reads both namespaces, interleaved
+        with client.step():
+            for i in range(4):
+                with client.get(f"w{i}", namespace="other"), client.get(f"d{i}"):
+                    pass
+    assert client.upcoming(max_entries=8) == [(f"d{i}", 400) for i in range(4)]
+    assert client.upcoming(namespace="other", max_entries=2) == [("w0", 400), ("w1", 400)]
+
+
+def test_asking_what_is_upcoming_is_not_an_access(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("asker")
+    assert client.upcoming() == []
+    assert not [c for c in client.stats()["scheduler"]["clients"] if c["client"] == "asker"]
+
+
+def test_a_write_in_place_under_an_exclusive_lease_is_copied_again(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("w", torch.zeros(1000))
+    cache = DeviceCache(client, budget_bytes=MiB, prefetch=False)
+    with cache.get("w") as t:
+        assert float(t.sum()) == 0.0
+    with client.get("w", exclusive=True) as t:  # the same version, its bytes changed
+        t.fill_(1.0)
+    with cache.get("w") as t:
+        assert float(t.sum()) == 1000.0
+    assert cache.stats.misses == 2
+
+
+def test_a_held_copy_of_an_old_version_stays_counted_until_released(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("w", torch.zeros(1000))
+    cache = DeviceCache(client, budget_bytes=10_000, prefetch=False)
+    held = cache.get("w")
+    client.put("w", torch.ones(1000))
+    with cache.get("w") as t:
+        assert float(t.sum()) == 1000.0
+        assert float(held.tensor.sum()) == 0.0  # the holder keeps its copy
+        assert cache.stats.used_bytes == 8000  # both copies live
+    held.release()
+    assert cache.stats.used_bytes == 4000
+
+
+def test_a_failed_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
+        nvme_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = nvme_daemon.connect("trainer")
+    for name in ("a", "b"):
+        client.put(name, torch.ones(100))
+    cache = DeviceCache(client, budget_bytes=MiB)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        # A fault that cannot be caused for real here: the CPU tier refusing the prefetch lease.
+        raise TierFullError("no room in the CPU tier")
+
+    monkeypatch.setattr(client, "get_many", refuse)
+    monkeypatch.setattr(client, "upcoming", lambda **kwargs: [("a", 400), ("b", 400)])
+    with cache.get("a") as t:
+        assert float(t.sum()) == 100.0
+    assert cache.stats.prefetch_errors == 1
+    cache.clear()
+    assert cache.cached() == {}  # nothing was left held

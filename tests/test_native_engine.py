@@ -360,13 +360,16 @@ def test_unaligned_direct_op_raises_alignment_error_and_engine_still_works(
 
 
 def test_bad_fd_fails_the_batch_with_ebadf(engine: _native.Engine) -> None:
+    import resource
+
     buf = _native.AlignedBuffer(MiB)
-    r, w = os.pipe()
-    os.close(r)
-    os.close(w)  # a number that is certainly not open
-    err, message = run(engine, [(False, r, buf.address, MiB, 0, True, 0, 0)])
+    # Above the process's fd limit: never open. (A number just closed is not safe: another
+    # thread of the test process, a client's heartbeat or ZeroMQ's, may get it meanwhile.)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    bad = (1 << 30 if hard == resource.RLIM_INFINITY else min(hard, 1 << 30)) + 7
+    err, message = run(engine, [(False, bad, buf.address, MiB, 0, True, 0, 0)])
     assert err == errno.EBADF
-    assert f"fd {r}" in message and "offset 0" in message
+    assert f"fd {bad}" in message and "offset 0" in message
 
 
 def test_read_past_end_of_file_is_eio_short_read(engine: _native.Engine, disk_tmp: str) -> None:

@@ -138,6 +138,12 @@ class Lease:
     def version(self) -> int:
         return self.versions[0]
 
+    @property
+    def revisions(self) -> list[tuple[int, int]]:
+        """(version, edits) of each leased tensor: equal revisions have the same bytes (a
+        version's bytes change in place only under an exclusive lease, which counts an edit)."""
+        return [(p.version, p.edits) for p in map(Placement.from_wire, self._results)]
+
     def __enter__(self) -> Any:
         return self.tensors[0] if self._single else self.tensors
 
@@ -311,13 +317,16 @@ class Client:
         channel = self._channel()
         lease_id = next(self._request_ids)  # a get's request id names its lease
         answer = channel.call_packed(lease_id, request, releases=self._take_releases())
-        results: tuple[Any, ...] = ()
+        packed: bytes | None = None
+        if type(answer) is bytes:
+            hit = self._segments.cached_reply(answer)
+            if hit is not None:
+                return Lease(self, [lease_id], hit[1], hit[0], single=single, exclusive=exclusive)
+            packed, results = answer, wire.decode_results(answer)
+        else:
+            results = self._results(cast(wire.Reply, answer))
         try:
-            if type(answer) is bytes:
-                results, tensors, first_error = self._segments.leased_views_packed(answer)
-            else:
-                results = self._results(cast(wire.Reply, answer))
-                tensors, first_error = self._segments.leased_views(results)
+            tensors, first_error = self._segments.leased_views(results, remember=packed)
             if first_error is not None:
                 raise first_error.exception()
         except BaseException:

@@ -53,8 +53,10 @@ class DeviceCopier(Protocol):
         """Whether the copy is done (then its source may be released); never blocks."""
         ...
 
-    def wait(self, ticket: Any) -> None:
-        """Make work issued from now on see the copy's result (CUDA: the current stream waits)."""
+    def ready(self, tensor: torch.Tensor, ticket: Any) -> None:
+        """Hand `tensor` to the caller's work: what it issues from now on sees the copy's result
+        (CUDA: the current stream waits for the copy, and the tensor's memory is not reused
+        before that stream is done with it). `ticket` is None once the copy finished."""
         ...
 
     def synchronize(self, ticket: Any) -> None:
@@ -74,7 +76,7 @@ class CpuCopier:
     def finished(self, ticket: Any) -> bool:
         return True
 
-    def wait(self, ticket: Any) -> None:
+    def ready(self, tensor: torch.Tensor, ticket: Any) -> None:
         pass
 
     def synchronize(self, ticket: Any) -> None:
@@ -85,7 +87,10 @@ class CudaCopier:
     """Host-to-device copies on a side stream, overlapping the compute stream.
 
     `register(ranges)` pins the client's shared-memory segments (cudaHostRegister), so copies
-    from them are DMA; unregistered memory still copies, through the driver's staging."""
+    from them are DMA; unregistered memory still copies, through the driver's staging. The
+    device cache calls it before each copy with the segments mapped now: new ones are pinned,
+    retired ones unpinned (by segment id, never reused, so a new segment mapped at a retired
+    one's address is pinned afresh)."""
 
     def __init__(self, device: torch.device | str | int = "cuda") -> None:
         self.device = torch.device(device)
@@ -96,37 +101,50 @@ class CudaCopier:
             raise InvalidRequestError("CUDA is not available to this process (no GPU, or a "
                                       "CPU-only torch); use CpuCopier")
         self.stream = torch.cuda.Stream(device=self.device)
-        self.registered: list[tuple[int, int]] = []
+        self.registered: dict[int, int] = {}  # segment -> start address
+        self.tried: set[int] = set()
 
     def register(self, ranges: list[tuple[int, int, int]]) -> list[str]:
-        """Pin each (segment, start, end) not yet pinned; returns a sentence per failure."""
+        """Pin each (segment, start, end) not pinned yet and unpin segments no longer listed;
+        returns a sentence per segment that could not be pinned (tried once each)."""
         failures = []
         cudart = torch.cuda.cudart()
-        for segment, start, end in ranges:
-            if (start, end) in self.registered:
-                continue
-            status = cudart.cudaHostRegister(start, end - start, 0)
-            if int(status) != 0:
-                failures.append(f"segment {segment}: cudaHostRegister returned {int(status)}; "
-                                f"its copies are not DMA from pinned memory")
-            else:
-                self.registered.append((start, end))
+        live = {segment: (start, end) for segment, start, end in ranges}
+        for segment in [s for s in self.registered if s not in live]:
+            # Retired (and unmapped by now): the driver's pin goes, whatever it answers.
+            cudart.cudaHostUnregister(self.registered.pop(segment))
+        with torch.cuda.device(self.device):
+            for segment, (start, end) in live.items():
+                if segment in self.registered or segment in self.tried:
+                    continue
+                self.tried.add(segment)
+                # 1 = cudaHostRegisterPortable: pinned for every device's context, not just this one.
+                status = int(cudart.cudaHostRegister(start, end - start, 1))
+                if status != 0:
+                    failures.append(f"segment {segment}: cudaHostRegister returned {status}; its "
+                                    f"copies are not DMA from pinned memory")
+                else:
+                    self.registered[segment] = start
         return failures
 
     def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
         event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
+            # Allocated on the side stream: memory the compute stream freed is reused only once
+            # that stream is past its last use (`ready` records the compute stream's own uses).
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             dst.copy_(src, non_blocking=True)
             event.record(self.stream)
-        dst.record_stream(self.stream)  # the allocator must not reuse it while the copy runs
         return dst, event
 
     def finished(self, ticket: Any) -> bool:
         return bool(ticket.query())
 
-    def wait(self, ticket: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(ticket)
+    def ready(self, tensor: torch.Tensor, ticket: Any) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if ticket is not None:
+            current.wait_event(ticket)
+        tensor.record_stream(current)
 
     def synchronize(self, ticket: Any) -> None:
         ticket.synchronize()
@@ -135,7 +153,7 @@ class CudaCopier:
 @dataclass(eq=False)
 class _Entry:
     name: str
-    version: int
+    revision: tuple[int, int]  # (version, edits) of the copy
     tensor: torch.Tensor
     nbytes: int
     ticket: Any = None  # the copy under way, None once it finished
@@ -143,6 +161,7 @@ class _Entry:
     holds: int = 0  # DeviceLeases handed out and not released
     last_use: int = 0
     prefetched: bool = False
+    orphaned: bool = False  # replaced by a newer revision while held: freed at its last release
 
 
 @dataclass
@@ -157,7 +176,7 @@ class DeviceCacheStats:
     used_bytes: int = 0
     max_used_bytes: int = 0
     upcoming_requests: int = 0
-    prefetch_errors: int = 0  # prefetch leases refused (a name deleted meanwhile, ...)
+    prefetch_errors: int = 0  # prefetches that failed (a name deleted meanwhile, no memory, ...)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -170,7 +189,7 @@ class DeviceLease:
         self._cache = cache
         self._entry: _Entry | None = entry
         self.tensor = entry.tensor
-        self.version = entry.version
+        self.version = entry.revision[0]
 
     def __enter__(self) -> torch.Tensor:
         return self.tensor
@@ -180,7 +199,7 @@ class DeviceLease:
 
     def release(self) -> None:
         if self._entry is not None:
-            self._entry.holds -= 1
+            self._cache._released(self._entry)
             self._entry = None
 
 
@@ -228,18 +247,20 @@ class DeviceCache:
         self._window = _Window()
         self._quiet_gets = 0
         self._steps_seen = client.steps_begun
-        register = getattr(self.copier, "register", None)
-        self.registration_failures: list[str] = register(client.segment_ranges()) if register else []
+        self.registration_failures: list[str] = []
+        self._register_segments()
 
     # --- the API ------------------------------------------------------------------
 
     def get(self, name: str) -> DeviceLease:
-        """`name`'s current version in device memory; `with cache.get(name) as t:`."""
+        """`name`'s current bytes in device memory; `with cache.get(name) as t:`."""
         self._reap()
+        self._register_segments()
         lease = self.client.get(name, namespace=self.namespace)
         try:
+            revision = lease.revisions[0]
             entry = self._entries.get(name)
-            if entry is not None and entry.version == lease.version:
+            if entry is not None and entry.revision == revision:
                 if entry.ticket is None or self.copier.finished(entry.ticket):
                     self.stats.hits += 1
                 else:
@@ -248,19 +269,22 @@ class DeviceCache:
                 lease.release()
             else:
                 if entry is not None:
-                    self._drop(entry)  # an older version
-                entry = self._copy(name, lease)
+                    self._replace(entry)  # an older version, or written in place since
+                entry = self._copy(name, revision, lease)
                 self.stats.misses += 1
         except BaseException:
             lease.release()
             raise
-        if entry.ticket is not None:
-            self.copier.wait(entry.ticket)
         entry.holds += 1
         entry.last_use = next(self._uses)
-        self._advance(name)
-        if self.prefetch_enabled:
-            self._prefetch()
+        try:
+            self.copier.ready(entry.tensor, entry.ticket)
+            self._advance(name)
+            if self.prefetch_enabled:
+                self._prefetch()
+        except BaseException:
+            self._released(entry)
+            raise
         return DeviceLease(self, entry)
 
     def clear(self) -> None:
@@ -272,16 +296,27 @@ class DeviceCache:
 
     def cached(self) -> dict[str, int]:
         """name -> version of what is in device memory now."""
-        return {name: entry.version for name, entry in self._entries.items()}
+        return {name: entry.revision[0] for name, entry in self._entries.items()}
+
+    def _released(self, entry: _Entry) -> None:
+        entry.holds -= 1
+        if entry.orphaned and entry.holds == 0:
+            self._free(entry)
+
+    def _register_segments(self) -> None:
+        register = getattr(self.copier, "register", None)
+        if register is not None:
+            self.registration_failures += register(self.client.segment_ranges())
 
     # --- the window ------------------------------------------------------------------
 
     def _advance(self, name: str) -> None:
         window = self._window
-        if window.position < len(window.names) and window.names[window.position] == name:
-            window.position += 1
+        needed_in = window.next_use(name)
+        if needed_in is None:
+            self._window = _Window()  # not what the daemon said (or a repeat it left out): ask again
         else:
-            self._window = _Window()  # not what the daemon said: ask again
+            window.position += needed_in + 1
 
     def _refresh_window(self) -> None:
         if self.client.steps_begun != self._steps_seen:
@@ -322,18 +357,25 @@ class DeviceCache:
             return
         try:
             lease = self.client.get_many(wanted, namespace=self.namespace, track=False)
-        except (NotFoundError, LeaseError):
-            self.stats.prefetch_errors += 1  # deleted or leased exclusively meanwhile: ask again
+        except (NotFoundError, LeaseError, TierFullError):
+            # Deleted or leased exclusively meanwhile, or no room in the CPU tier: prefetch is
+            # an optimisation, so the get that asked for it still succeeds; ask again later.
+            self.stats.prefetch_errors += 1
             self._window = _Window()
+            self._quiet_gets = _QUIET_GETS
             return
         held = 0
         try:
-            for name, view, version in zip(wanted, lease.tensors, lease.versions):
+            for name, view, revision in zip(wanted, lease.tensors, lease.revisions):
                 needed_in = window.next_use(name)
                 if needed_in is None or not self._room(view.numel() * view.element_size(),
                                                        before=needed_in, dry_run=False):
                     break
-                entry = self._start(name, version, view, source=None)
+                try:
+                    entry = self._start(name, revision, view, source=None)
+                except torch.cuda.OutOfMemoryError:
+                    self.stats.prefetch_errors += 1  # the device is full: the next get copies
+                    break
                 entry.prefetched = True
                 self.stats.prefetched += 1
                 held += 1
@@ -352,7 +394,7 @@ class DeviceCache:
 
     # --- space ---------------------------------------------------------------------------
 
-    def _copy(self, name: str, lease: Lease) -> _Entry:
+    def _copy(self, name: str, revision: tuple[int, int], lease: Lease) -> _Entry:
         view = lease.tensor
         nbytes = view.numel() * view.element_size()
         if nbytes > self.budget_bytes:
@@ -366,12 +408,13 @@ class DeviceCache:
                 f"the device cache cannot make room for {name!r} ({nbytes} bytes): {held} of its "
                 f"{self.budget_bytes} bytes are held by tensors in use or being copied; release "
                 f"DeviceLeases sooner or give the cache a larger budget_bytes")
-        return self._start(name, lease.version, view, source=lease)
+        return self._start(name, revision, view, source=lease)
 
-    def _start(self, name: str, version: int, view: torch.Tensor, *, source: Any) -> _Entry:
+    def _start(self, name: str, revision: tuple[int, int], view: torch.Tensor, *,
+               source: Any) -> _Entry:
         tensor, ticket = self.copier.start(view)
         nbytes = view.numel() * view.element_size()
-        entry = _Entry(name, version, tensor, nbytes, ticket=ticket, source=source)
+        entry = _Entry(name, revision, tensor, nbytes, ticket=ticket, source=source)
         self._entries[name] = entry
         stats = self.stats
         stats.copied_bytes += nbytes
@@ -423,8 +466,20 @@ class DeviceCache:
         upcoming.sort(key=lambda pair: -pair[0])
         return far + [entry for _, entry in upcoming]
 
+    def _replace(self, entry: _Entry) -> None:
+        """A newer revision comes: the old copy goes now, or at its holder's last release (its
+        bytes stay counted until then: the holder still uses that memory)."""
+        if entry.holds:
+            del self._entries[entry.name]
+            entry.orphaned = True
+        else:
+            self._drop(entry)
+
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.name]
+        self._free(entry)
+
+    def _free(self, entry: _Entry) -> None:
         self.stats.used_bytes -= entry.nbytes
         if entry.source is not None:
             if entry.ticket is not None:

@@ -119,23 +119,14 @@ class SegmentMap:
         return base.as_strided(placement.shape, _strides(placement.shape),
                                placement.offset // dtypes.DTYPE_ITEMSIZE[dtype])
 
-    def leased_views_packed(self, packed: bytes) -> tuple[tuple[Any, ...], list[torch.Tensor],
-                                                          ItemError | None]:
-        """`leased_views` for a get's packed results: (results, views, first error). A reply
-        seen before, byte for byte, costs a dictionary lookup and a `detach()` per view."""
+    def cached_reply(self, packed: bytes) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+        """(results, fresh views) for a get's packed results (`wire.split_reply`) seen before,
+        byte for byte, as `leased_views(..., remember=packed)` kept them; else None."""
         hit = self._replies.get(packed)
-        if hit is not None:
-            return hit[0], list(map(_detach, hit[1])), None
-        results = wire.decode_results(packed)
-        views, first_error, cacheable = self._views_of(results)
-        if cacheable and first_error is None:
-            if len(self._replies) >= _MAX_CACHED_REPLIES:
-                self._replies.clear()
-            self._replies[packed] = (results, views)
-        return results, list(map(_detach, views)), first_error
+        return None if hit is None else (hit[0], list(map(_detach, hit[1])))
 
-    def leased_views(self, results: Sequence[Any]) -> tuple[list[torch.Tensor],
-                                                            ItemError | None]:
+    def leased_views(self, results: tuple[Any, ...], *, remember: bytes | None = None
+                     ) -> tuple[list[torch.Tensor], ItemError | None]:
         """Views for the results of a get, and the first item error if any.
 
         The same versions are leased again and again (a model's weights every
@@ -147,7 +138,11 @@ class SegmentMap:
         A placement seen for the first time is validated in full
         (`Placement.from_wire`) before it is kept.
         """
-        views, first_error, _ = self._views_of(results)
+        views, first_error, cacheable = self._views_of(results)
+        if remember is not None and cacheable and first_error is None:
+            if len(self._replies) >= _MAX_CACHED_REPLIES:
+                self._replies.clear()
+            self._replies[remember] = (results, views)
         return list(map(_detach, views)), first_error
 
     def _views_of(self, results: Sequence[Any]) -> tuple[list[torch.Tensor], ItemError | None, bool]:

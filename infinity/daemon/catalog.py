@@ -112,7 +112,8 @@ def set_placement(version: Version) -> None:
     gets answer with; `clear_placement` when it leaves the CPU tier."""
     cpu = version.cpu
     version.wire = Placement(-1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
-                             version.nbytes, version.dtype, version.shape, version.stamp).to_wire()
+                             version.nbytes, version.dtype, version.shape, version.stamp,
+                             version.edits).to_wire()
     version.packed = pack_result(version.wire)
 
 
@@ -273,6 +274,8 @@ class Catalog:
                 version.exclusive = client
                 self.num_exclusive += 1
                 self._space.leased_exclusively(version)
+                if version.wire:
+                    set_placement(version)  # the new count of edits, from this get on
             else:
                 version.shared += 1
             lease.holds.append((version, exclusive))

@@ -1036,12 +1036,12 @@ class Scheduler:
             return None
         return self._position(s)  # between steps: the next step's start
 
-    def upcoming(self, stream: StreamKey, *, max_entries: int,
+    def upcoming(self, stream: StreamKey, *, namespace: str, max_entries: int,
                  max_bytes: int) -> list[tuple[TensorKey, int]]:
-        """The stream's next reads by the trace it replays, soonest first: distinct tensors
-        (writes skipped), at most `max_entries` and `max_bytes` (the first always). Empty when
-        it replays no trace, or strayed from it. For a client's device cache, which brings
-        tensors further, into device memory, ahead of their use."""
+        """The stream's next reads of tensors in `namespace` by the trace it replays, soonest
+        first: distinct tensors (writes skipped), at most `max_entries` and `max_bytes` (the
+        first always). Empty when it replays no trace, or strayed from it. For a client's
+        device cache, which brings tensors further, into device memory, ahead of their use."""
         s = self._streams.get(stream)
         cursor = self._plan_cursor(s) if s is not None else None
         if s is None or cursor is None or s.trace is None:
@@ -1054,7 +1054,7 @@ class Scheduler:
         total = 0
         for i in range(steps):
             entry = entries[(cursor + i) % n]
-            if entry.write or entry.key in seen:
+            if entry.write or entry.key in seen or entry.key[0] != namespace:
                 continue
             seen.add(entry.key)
             nbytes = self._sizes.get(entry.key, entry.nbytes)

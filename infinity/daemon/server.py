@@ -775,10 +775,13 @@ class Daemon:
                   body: Sequence[Any]) -> None:
         message = wire.Upcoming.from_body(body)
         upcoming: list[list[Any]] = []
-        if self.scheduler is not None:
-            stream = self._stream_of(session, message.namespace)
+        # The stream this client's accesses in the namespace go to, if it has one yet (asking
+        # makes none: it is not an access).
+        stream = session.streams.get(session.step_namespace or message.namespace)
+        if self.scheduler is not None and stream is not None:
             upcoming = [[key[1], nbytes] for key, nbytes in self.scheduler.upcoming(
-                stream, max_entries=message.max_entries, max_bytes=message.max_bytes)]
+                stream, namespace=message.namespace, max_entries=message.max_entries,
+                max_bytes=message.max_bytes)]
         self._reply(identity, request_id, [upcoming])
 
     def _step(self, session: Session, identity: bytes, request_id: int,

@@ -38,7 +38,7 @@ import msgpack
 
 from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, error_from_code
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: placements carry `edits`; ops get_ahead and upcoming
 
 # Hard limits, enforced while decoding, so a hostile or broken peer cannot make
 # either side allocate without bound. The daemon also caps whole frames
@@ -743,7 +743,10 @@ class Welcome:
 class Placement(NamedTuple):
     """Where a leased or reserved tensor lies: segment -1 for a tensor of zero bytes.
 
-    `version` is 0 for a reservation. A get's lease has no id of its own: it is
+    `version` is 0 for a reservation. `edits` counts the exclusive leases granted on the
+    version so far: its bytes may have changed in place since a placement with fewer (a
+    client that keeps copies, as a device cache does, copies again). A get's lease has no
+    id of its own: it is
     the get's request id, and `release` names it so. That keeps a version's
     placement identical from one get to the next, so the daemon sends the same
     value every time and the client can key its cached views by it. A
@@ -756,24 +759,26 @@ class Placement(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     version: int
+    edits: int = 0
 
     def to_wire(self) -> list[Any]:
         return [self.segment, self.offset, self.nbytes, self.dtype, list(self.shape),
-                self.version]
+                self.version, self.edits]
 
     @classmethod
     def from_wire(cls, value: Any) -> Placement:
-        if type(value) not in _SEQ or len(value) != 6:
-            _list(value, "placement", 6)
-        segment, offset, nbytes, dtype, shape, version = value
+        if type(value) not in _SEQ or len(value) != 7:
+            _list(value, "placement", 7)
+        segment, offset, nbytes, dtype, shape, version, edits = value
         if not (type(segment) is int and type(offset) is int and type(nbytes) is int
                 and type(dtype) is str and type(version) is int and type(shape) in _SEQ
-                and segment >= -1 and offset >= 0 and nbytes >= 0):
+                and type(edits) is int and segment >= -1 and offset >= 0 and nbytes >= 0
+                and edits >= 0):
             raise ProtocolError(f"malformed placement {value!r}")
         for dim in shape:
             if type(dim) is not int:
                 raise ProtocolError(f"malformed placement shape {shape!r}")
-        return cls(segment, offset, nbytes, dtype, tuple(shape), version)
+        return cls(segment, offset, nbytes, dtype, tuple(shape), version, edits)
 
 
 class StreamInfo(NamedTuple):
