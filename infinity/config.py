@@ -52,7 +52,8 @@ class IOConfig:
     block_size_bytes: int = 1 * MiB
     queue_depth: int = 32
     num_threads: int = 0  # 0: min(4, cores)
-    # Each worker thread's staging memory for staged ops (`nvme.staged_io`), in whole blocks
+    # Each worker thread's staging memory for staged ops (`nvme.staged_reads`, `staged_writes`),
+    # in whole blocks
     # (at least one); it also bounds that thread's staged ops in flight. Small, so that staged
     # data is still in the last-level cache when it is checked and copied.
     staging_bytes: int = 4 * MiB
@@ -91,11 +92,15 @@ class NvmeConfig:
     # When eviction meets dirty tensors, the tier keeps up to this many more bytes of the
     # coldest dirty tensors being written back, so that later evictions find clean victims.
     write_behind_bytes: int = 256 * MiB
-    # Loads and write-backs go through the engine's huge-page staging memory (a copy into or
-    # out of the CPU tier): a disk (notably a virtual one) moves data to and from scattered
-    # 4 KiB pages, which the tier's shared memory has without shmem huge pages, far slower.
-    # auto: on unless the tier gets huge pages.
-    staged_io: str = "auto"
+    # Loads (reads) and write-backs (writes) through the engine's huge-page staging memory, a
+    # copy into or out of the CPU tier: a disk (notably a virtual one) moves data to and from
+    # scattered 4 KiB pages far slower, and the tier's shared memory is such pages when the
+    # kernel had little contiguous memory free as the daemon made it (without shmem huge
+    # pages). auto: on unless the tier gets huge pages. Off by default (in place, as DESIGN.md
+    # says): measured in docs/BENCHMARKS.md, staging wins on fragmented memory and loses up to
+    # ~15% on contiguous memory, which is what a daemon started on a fresh node gets.
+    staged_reads: str = "off"
+    staged_writes: str = "off"
 
     def validate(self) -> None:
         _require(
@@ -118,7 +123,8 @@ class NvmeConfig:
         )
         _require(1 <= self.stream_depth <= 64, "nvme.stream_depth must be between 1 and 64")
         _require(self.write_behind_bytes >= 0, "nvme.write_behind_bytes must be 0 (off) or more")
-        _require(self.staged_io in ("auto", "on", "off"), "nvme.staged_io must be auto, on or off")
+        for key in ("staged_reads", "staged_writes"):
+            _require(getattr(self, key) in ("auto", "on", "off"), f"nvme.{key} must be auto, on or off")
 
 
 @dataclass(frozen=True)

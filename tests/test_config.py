@@ -89,30 +89,31 @@ def test_a_malformed_namespace_quota_is_an_error(text: str) -> None:
         load_config(env={}, overrides=[f"scheduler.namespace_quota_bytes={text}"])
 
 
-def test_staged_io_takes_auto_on_or_off_only() -> None:
-    assert load_config(env={}).nvme.staged_io == "auto"
-    assert load_config(env={"INFINITY_NVME_STAGED_IO": "off"}).nvme.staged_io == "off"
-    with pytest.raises(ConfigError, match="nvme.staged_io must be auto, on or off"):
-        load_config(env={}, overrides=["nvme.staged_io=yes"])
+def test_staged_reads_and_writes_take_auto_on_or_off_only() -> None:
+    config = load_config(env={})
+    assert (config.nvme.staged_reads, config.nvme.staged_writes) == ("off", "off")
+    assert load_config(env={"INFINITY_NVME_STAGED_READS": "off"}).nvme.staged_reads == "off"
+    for key in ("staged_reads", "staged_writes"):
+        with pytest.raises(ConfigError, match=f"nvme.{key} must be auto, on or off"):
+            load_config(env={}, overrides=[f"nvme.{key}=yes"])
 
 
 @pytest.mark.parametrize("setting, hugepages, expected", [
     ("on", True, True), ("off", False, False), ("auto", False, True)])
-def test_staged_io_setting_decides_whether_loads_and_write_backs_are_staged(
+def test_a_staging_setting_decides_whether_its_direction_is_staged(
         setting: str, hugepages: bool, expected: bool) -> None:
-    from infinity.daemon.tiers import staged_io_wanted
+    from infinity.daemon.tiers import staged_wanted
 
-    config = load_config(env={}, overrides=[f"nvme.staged_io={setting}",
-                                            f"cpu.hugepages={str(hugepages).lower()}"])
-    assert staged_io_wanted(config) is expected
+    config = load_config(env={}, overrides=[f"cpu.hugepages={str(hugepages).lower()}"])
+    assert staged_wanted(config, setting) is expected
 
 
-def test_staged_io_auto_follows_whether_shared_memory_gets_huge_pages() -> None:
+def test_staging_auto_follows_whether_shared_memory_gets_huge_pages() -> None:
     from infinity.daemon.arena import shmem_hugepages_allowed
-    from infinity.daemon.tiers import staged_io_wanted
+    from infinity.daemon.tiers import staged_wanted
 
-    config = load_config(env={}, overrides=["nvme.staged_io=auto", "cpu.hugepages=true"])
-    assert staged_io_wanted(config) is not shmem_hugepages_allowed()
+    config = load_config(env={}, overrides=["cpu.hugepages=true"])
+    assert staged_wanted(config, "auto") is not shmem_hugepages_allowed()
 
 
 def test_staging_bytes_must_be_positive() -> None:

@@ -137,7 +137,7 @@ def test_staged_io_moves_tensors_between_shared_memory_and_disk_bit_exact(engine
     import mmap
 
     tier = NvmeTier(NvmeConfig(dirs=(disk_tmp,), file_grow_bytes=8 * MiB, stripe_bytes=MiB), engine,
-                    staged_io=True)
+                    staged_reads=True, staged_writes=True)
     sources = [random_tensor(numel, torch.float32, seed=numel) for numel in (1, 1023, 786_433)]
     capacities = [-(-s.numel() * 4 // 4096) * 4096 for s in sources]
     # The CPU tier's kind of memory: a shared memfd mapping, 4 KiB pages here. Written out from
@@ -167,7 +167,7 @@ def test_staged_io_moves_tensors_between_shared_memory_and_disk_bit_exact(engine
 
 def test_staged_io_still_reports_a_corrupted_block(engine, disk_tmp) -> None:
     tier = NvmeTier(NvmeConfig(dirs=(disk_tmp,), file_grow_bytes=8 * MiB, stripe_bytes=MiB), engine,
-                    staged_io=True)
+                    staged_reads=True, staged_writes=True)
     layout = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=16)).result()
     _, extent = layout.extents[0]
     with open(os.path.join(disk_tmp, EXTENT_FILE_NAME), "r+b") as f:

@@ -13,7 +13,7 @@ falls on all alike:
 - shared, direct: a fresh memfd mapping like a CPU-tier segment without shmem huge pages,
   each block moved straight to or from it;
 - shared, staged: the same memory, each block going through the engine's staging memory
-  (`IOOp.staged`, `nvme.staged_io`) and a copy.
+  (`IOOp.staged`, `nvme.staged_reads` / `staged_writes`) and a copy.
 
 Reported: GB/s per direction, kind and round, and the medians of the per-round ratios staged /
 private and staged / direct. Every write's checksums and every read's bytes are checked.

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory taken (and held) before anything else: a size, 0 for none, "
                              "or auto (the free blocks of 64 KiB and less, see below)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="a daemon setting (e.g. nvme.staged_io=off); the raw engine takes [io]")
+                        help="a daemon setting (e.g. nvme.staged_reads=off); the raw engine takes [io]")
     args = parser.parse_args(argv)
     typed = load_config(env={}, overrides=args.set)  # validated, in the settings' own types
     extra = {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1])

@@ -177,10 +177,10 @@ class _Candidates(Mapping[Key, int]):
 _FREED, _PENDING, _NOTHING, _RETRY = "freed", "pending", "nothing", "retry"
 
 
-def staged_io_wanted(config: InfinityConfig) -> bool:
-    """Whether loads and write-backs go through the engine's staging memory (nvme.staged_io;
-    auto: when the CPU tier's shared memory cannot get huge pages, so direct I/O scatters)."""
-    setting = config.nvme.staged_io
+def staged_wanted(config: InfinityConfig, setting: str) -> bool:
+    """Whether a direction of NVMe I/O goes through the engine's staging memory, by its setting
+    (nvme.staged_reads, nvme.staged_writes); auto: when the CPU tier's shared memory cannot get
+    huge pages, so that direct I/O scatters."""
     if setting != "auto":
         return setting == "on"
     return not (config.cpu.hugepages and shmem_hugepages_allowed())
@@ -232,7 +232,10 @@ class TierManager:
         engine = IOEngine.from_config(self.config.io)
         nvme: NvmeTier | None = None
         try:
-            nvme = NvmeTier(self.config.nvme, engine, staged_io=staged_io_wanted(self.config))
+            config = self.config
+            nvme = NvmeTier(config.nvme, engine,
+                            staged_reads=staged_wanted(config, config.nvme.staged_reads),
+                            staged_writes=staged_wanted(config, config.nvme.staged_writes))
             self.index = DurableIndex(nvme)
         except BaseException:
             if nvme is not None:

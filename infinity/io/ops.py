@@ -21,7 +21,7 @@ class IOOp:
     ops only): each block moves through the engine's huge-page staging memory
     (a read lands there and is copied to `address`, a write is copied there
     first), which is faster on disks that slow down for scattered 4 KiB pages
-    (see `NvmeConfig.staged_io`).
+    (see `NvmeConfig.staged_reads`, `staged_writes`).
     """
 
     is_write: bool

@@ -293,15 +293,17 @@ class NvmeWrite:
 class NvmeTier:
     """Tensor extents over one or more directories, moved by the native engine."""
 
-    def __init__(self, config: NvmeConfig, engine: IOEngine, *, staged_io: bool = False) -> None:
-        """staged_io: direct reads and writes go through the engine's staging memory
-        (`IOOp.staged`)."""
+    def __init__(self, config: NvmeConfig, engine: IOEngine, *, staged_reads: bool = False,
+                 staged_writes: bool = False) -> None:
+        """staged_reads / staged_writes: direct ops of that direction go through the engine's
+        staging memory (`IOOp.staged`)."""
         if not config.dirs:
             raise StoreDirectoryError("no NVMe directories configured; set nvme.dirs to one "
                                       "directory per drive")
         self.config = config
         self.engine = engine
-        self.staged_io = staged_io
+        self.staged_reads = staged_reads
+        self.staged_writes = staged_writes
         self.stripe_bytes = config.stripe_bytes
         self._lock = threading.Lock()
         self.directories: list[NvmeDirectory] = []
@@ -410,7 +412,8 @@ class NvmeTier:
                             offset=p.file_offset_bytes, direct=directory.direct,
                             crc_address=(crc_address + 4 * block) if crc_address else 0,
                             crc_block_bytes=CRC_BLOCK_BYTES,
-                            staged=self.staged_io and directory.direct))
+                            staged=directory.direct and (self.staged_writes if is_write
+                                                         else self.staged_reads)))
         return ops
 
     def write_from(self, address: int, nbytes: int, *, layout: TensorLayout | None = None,
