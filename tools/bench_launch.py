@@ -12,6 +12,14 @@ from infinity.config import InfinityConfig, load_config
 from infinity.protocol.paths import child_environment
 
 
+def typed_settings(texts: list[str]) -> dict[str, Any]:
+    """`--set table.key=value` texts as {"table.key": value}, validated and in the settings' own
+    types, to merge into `start_daemon`'s settings."""
+    typed = load_config(env={}, overrides=texts)
+    keys = (text.split("=", 1)[0].strip() for text in texts)
+    return {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1]) for key in keys}
+
+
 def start_daemon(folder: str, settings: dict[str, Any]) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
     settings_file = os.path.join(folder, "bench.toml")
     with open(settings_file, "w") as f:

@@ -45,9 +45,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from bench_launch import start_daemon
+from bench_launch import start_daemon, typed_settings
 from bench_store import RawEngine, _bytes, small_free_blocks_bytes
-from infinity.config import InfinityConfig, MiB, load_config
+from infinity.config import InfinityConfig, MiB
 
 console = Console(stderr=True)
 ROWS = 2048  # every layer is a [ROWS, S / (4 ROWS)] float32 matrix
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="a daemon setting for both daemons (e.g. scheduler.lookahead_accesses=8)")
     args = parser.parse_args(argv)
-    typed = load_config(env={}, overrides=args.set)  # validated, in the settings' own types
-    extra = {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1])
-             for key in (text.split("=", 1)[0].strip() for text in args.set)}
+    extra = typed_settings(args.set)
     torch.set_num_threads(1)
     # O_DIRECT into physically scattered pages runs at about half speed on this VM's disk, and the
     # kernel hands its free fragments to whoever allocates first (the daemons' segments here).

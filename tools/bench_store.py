@@ -44,8 +44,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from bench_launch import start_daemon
-from infinity.config import GiB, InfinityConfig, MiB, load_config
+from bench_launch import start_daemon, typed_settings
+from infinity.config import GiB, InfinityConfig, MiB
 from infinity.io import IOEngine, IOOp, aligned_empty
 
 console = Console(stderr=True)
@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="a daemon setting (e.g. nvme.staged_reads=off); the raw engine takes [io]")
     args = parser.parse_args(argv)
-    typed = load_config(env={}, overrides=args.set)  # validated, in the settings' own types
-    extra = {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1])
-             for key in (text.split("=", 1)[0].strip() for text in args.set)}
+    extra = typed_settings(args.set)
     # The kernel hands out its free fragments (pages left by processes that exited) before
     # whole blocks, and O_DIRECT into scattered pages is much slower on this VM's virtio disk.
     # Whichever buffers are allocated first (the raw engine's or the daemon's segments) would
