@@ -255,9 +255,12 @@ class DeviceCache:
     def get(self, name: str) -> DeviceLease:
         """`name`'s current bytes in device memory; `with cache.get(name) as t:`."""
         self._reap()
-        self._register_segments()
         lease = self.client.get(name, namespace=self.namespace)
         try:
+            # After the get, which may have mapped new segments and unmapped retired ones: a
+            # copy from an address the driver still takes for a retired pinned segment would
+            # read that segment's old pages.
+            self._register_segments()
             revision = lease.revisions[0]
             entry = self._entries.get(name)
             if entry is not None and entry.revision == revision:
@@ -366,6 +369,7 @@ class DeviceCache:
             return
         held = 0
         try:
+            self._register_segments()  # as in get: before any copy from what it mapped
             for name, view, revision in zip(wanted, lease.tensors, lease.revisions):
                 needed_in = window.next_use(name)
                 if needed_in is None or not self._room(view.numel() * view.element_size(),
