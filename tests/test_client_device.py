@@ -18,7 +18,7 @@ import torch
 
 from conftest import PREFETCH_SETTINGS, RunningDaemon, short_tmp_root, start_daemon_process
 from infinity.client.device import CpuCopier, CudaCopier, DeviceCache
-from infinity.errors import InvalidRequestError, TierFullError, TooLargeError
+from infinity.errors import ChecksumError, InvalidRequestError, TierFullError, TooLargeError
 
 MiB = 1024 * 1024
 LAYER_SHAPE = (129, 1021)  # a little over 512 KiB
@@ -226,16 +226,20 @@ def test_a_held_copy_of_an_old_version_stays_counted_until_released(
     assert cache.stats.used_bytes == 4000
 
 
+@pytest.mark.parametrize("error", [TierFullError("no room in the CPU tier"),
+                                   ChecksumError("tensor 'b' is corrupted on NVMe")],
+                         ids=["cpu-tier-full", "checksum"])
 def test_a_failed_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
-        nvme_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+        nvme_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     client = nvme_daemon.connect("trainer")
     for name in ("a", "b"):
         client.put(name, torch.ones(100))
     cache = DeviceCache(client, budget_bytes=MiB)
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        # A fault that cannot be caused for real here: the CPU tier refusing the prefetch lease.
-        raise TierFullError("no room in the CPU tier")
+        # Injected: faults that cannot be caused for real here (the CPU tier refusing the
+        # prefetch lease, the prefetched tensor's copy on NVMe failing its checksum).
+        raise error
 
     monkeypatch.setattr(client, "get_many", refuse)
     monkeypatch.setattr(client, "upcoming", lambda **kwargs: [("a", 400), ("b", 400)])
@@ -244,3 +248,16 @@ def test_a_failed_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
     assert cache.stats.prefetch_errors == 1
     cache.clear()
     assert cache.cached() == {}  # nothing was left held
+
+
+def test_unmap_hooks_run_for_every_segment_when_the_client_closes(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("x", torch.ones(1000))
+    mapped = [(start, end) for _, start, end in client.segment_ranges()]
+    seen: list[tuple[int, int]] = []
+    hook = lambda start, end: seen.append((start, end))  # noqa: E731
+    client.on_segment_unmap(hook)
+    client.on_segment_unmap(hook)  # added once
+    client.close()
+    assert mapped and sorted(seen) == sorted(mapped)

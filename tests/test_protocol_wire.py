@@ -222,3 +222,12 @@ def test_split_reply_declines_error_replies_and_malformed_bytes() -> None:
 def test_a_malformed_upcoming_is_a_protocol_error(body: list) -> None:
     with pytest.raises(ProtocolError):
         _decode(msgpack.packb(["upcoming", 5, body]))
+
+
+def test_a_placement_carries_its_count_of_edits_and_a_short_or_negative_one_is_refused() -> None:
+    placement = wire.Placement(3, 8192, 40, "float32", (10,), 9, 4)
+    assert wire.Placement.from_wire(placement.to_wire()) == placement
+    with pytest.raises(ProtocolError):
+        wire.Placement.from_wire([3, 8192, 40, "float32", [10], 9])  # the first protocol's six
+    with pytest.raises(ProtocolError):
+        wire.Placement.from_wire([3, 8192, 40, "float32", [10], 9, -1])

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union, cast
 
 import psutil
 import torch
@@ -322,15 +322,18 @@ class Client:
             hit = self._segments.cached_reply(answer)
             if hit is not None:
                 return Lease(self, [lease_id], hit[1], hit[0], single=single, exclusive=exclusive)
-            packed, results = answer, wire.decode_results(answer)
         else:
-            results = self._results(cast(wire.Reply, answer))
+            results = self._results(cast(wire.Reply, answer))  # a failed request leased nothing
+        leased = True  # until the results say otherwise
         try:
+            if type(answer) is bytes:
+                packed, results = answer, wire.decode_results(answer)
+            leased = any(type(result) is not ItemError for result in results)
             tensors, first_error = self._segments.leased_views(results, remember=packed)
             if first_error is not None:
                 raise first_error.exception()
         except BaseException:
-            if any(type(result) is not ItemError for result in results):
+            if leased:
                 self._release([lease_id], exclusive=exclusive)  # whatever it got goes back
             raise
         return Lease(self, [lease_id], tensors, results, single=single, exclusive=exclusive)
@@ -678,6 +681,12 @@ class Client:
         (result,) = self._call(wire.Stats())
         self._raise_first([result])
         return wire.decode_stats(result)
+
+    def on_segment_unmap(self, callback: Callable[[int, int], None]) -> None:
+        """Call `callback(start, end)` before a shared-memory segment of this client is unmapped
+        (retired by the daemon, or at close), e.g. to drop a CUDA pin on it. Added once."""
+        assert self._segments is not None
+        self._segments.add_unmap_hook(callback)
 
     def segment_ranges(self) -> builtins.list[tuple[int, int, int]]:
         """(segment id, start address, end address) of each shared segment mapped here."""

@@ -25,19 +25,24 @@ least recently used first). A tensor handed out by `get` is held until its
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from infinity.errors import (InvalidRequestError, LeaseError, NotFoundError, TierFullError,
-                             TooLargeError)
+from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
+                             InvalidRequestError, ProtocolError, TierFullError, TooLargeError)
 
 if TYPE_CHECKING:
     from infinity.client.client import Client, Lease
 
 
 _QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
+_CUDA_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+# CUDA pins belong to the process, not to one copier: start address -> end of each pinned range.
+_pins_lock = threading.Lock()
+_pinned: dict[int, int] = {}
 
 
 class DeviceCopier(Protocol):
@@ -101,31 +106,40 @@ class CudaCopier:
             raise InvalidRequestError("CUDA is not available to this process (no GPU, or a "
                                       "CPU-only torch); use CpuCopier")
         self.stream = torch.cuda.Stream(device=self.device)
-        self.registered: dict[int, int] = {}  # segment -> start address
-        self.tried: set[int] = set()
+        self._tried: set[int] = set()  # start addresses that could not be pinned
+        self._seen: list[tuple[int, int, int]] = []
 
     def register(self, ranges: list[tuple[int, int, int]]) -> list[str]:
-        """Pin each (segment, start, end) not pinned yet and unpin segments no longer listed;
-        returns a sentence per segment that could not be pinned (tried once each)."""
+        """Pin each mapped (segment, start, end) not pinned yet; returns a sentence per range
+        that could not be pinned (tried once each). Pins are the process's (`_pinned`), and
+        `unpin` drops one before its segment is unmapped (`Client.on_segment_unmap`)."""
+        if ranges == self._seen:
+            return []  # nothing mapped or retired since the last get
+        self._seen = list(ranges)
         failures = []
         cudart = torch.cuda.cudart()
-        live = {segment: (start, end) for segment, start, end in ranges}
-        for segment in [s for s in self.registered if s not in live]:
-            # Retired (and unmapped by now): the driver's pin goes, whatever it answers.
-            cudart.cudaHostUnregister(self.registered.pop(segment))
-        with torch.cuda.device(self.device):
-            for segment, (start, end) in live.items():
-                if segment in self.registered or segment in self.tried:
+        with torch.cuda.device(self.device), _pins_lock:
+            for segment, start, end in ranges:
+                if start in _pinned or start in self._tried:
                     continue
-                self.tried.add(segment)
                 # 1 = cudaHostRegisterPortable: pinned for every device's context, not just this one.
                 status = int(cudart.cudaHostRegister(start, end - start, 1))
-                if status != 0:
+                if status in (0, _CUDA_ALREADY_REGISTERED):
+                    _pinned[start] = end
+                else:
+                    self._tried.add(start)
                     failures.append(f"segment {segment}: cudaHostRegister returned {status}; its "
                                     f"copies are not DMA from pinned memory")
-                else:
-                    self.registered[segment] = start
         return failures
+
+    @staticmethod
+    def unpin(start: int, end: int) -> None:
+        """Before the range [start, end) is unmapped: drop its pin, or a segment mapped there
+        later would be taken for it and copied from the old pages."""
+        with _pins_lock:
+            if _pinned.pop(start, None) is None:
+                return
+            torch.cuda.cudart().cudaHostUnregister(start)
 
     def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         event = torch.cuda.Event()
@@ -243,11 +257,15 @@ class DeviceCache:
         self.prefetch_enabled = prefetch
         self.stats = DeviceCacheStats()
         self._entries: dict[str, _Entry] = {}
+        self._orphans: list[_Entry] = []  # replaced while held: freed at their last release
         self._uses = itertools.count(1)
         self._window = _Window()
         self._quiet_gets = 0
         self._steps_seen = client.steps_begun
         self.registration_failures: list[str] = []
+        unpin = getattr(self.copier, "unpin", None)
+        if unpin is not None:
+            client.on_segment_unmap(unpin)
         self._register_segments()
 
     # --- the API ------------------------------------------------------------------
@@ -304,6 +322,7 @@ class DeviceCache:
     def _released(self, entry: _Entry) -> None:
         entry.holds -= 1
         if entry.orphaned and entry.holds == 0:
+            self._orphans.remove(entry)
             self._free(entry)
 
     def _register_segments(self) -> None:
@@ -360,9 +379,12 @@ class DeviceCache:
             return
         try:
             lease = self.client.get_many(wanted, namespace=self.namespace, track=False)
-        except (NotFoundError, LeaseError, TierFullError):
-            # Deleted or leased exclusively meanwhile, or no room in the CPU tier: prefetch is
-            # an optimisation, so the get that asked for it still succeeds; ask again later.
+        except (DaemonUnavailableError, ProtocolError, ForkedClientError):
+            raise  # the client itself is unusable: the caller must know
+        except InfinityError:
+            # Deleted or leased exclusively meanwhile, no room in the CPU tier, a copy on NVMe
+            # that fails its checksum, ...: prefetch is an optimisation, so the get that asked
+            # for it still succeeds (a get of the bad tensor itself reports it); ask again later.
             self.stats.prefetch_errors += 1
             self._window = _Window()
             self._quiet_gets = _QUIET_GETS
@@ -407,7 +429,8 @@ class DeviceCache:
                 f"{self.budget_bytes}; give the cache a larger budget_bytes or keep the tensor "
                 f"on the CPU")
         if not self._room(nbytes, before=None, dry_run=False):
-            held = sum(e.nbytes for e in self._entries.values() if e.holds or e.ticket is not None)
+            held = sum(e.nbytes for e in [*self._entries.values(), *self._orphans]
+                       if e.holds or e.ticket is not None)
             raise TierFullError(
                 f"the device cache cannot make room for {name!r} ({nbytes} bytes): {held} of its "
                 f"{self.budget_bytes} bytes are held by tensors in use or being copied; release "
@@ -476,6 +499,7 @@ class DeviceCache:
         if entry.holds:
             del self._entries[entry.name]
             entry.orphaned = True
+            self._orphans.append(entry)
         else:
             self._drop(entry)
 
@@ -494,7 +518,7 @@ class DeviceCache:
     # --- copies in flight ------------------------------------------------------------------
 
     def _reap(self) -> None:
-        for entry in list(self._entries.values()):
+        for entry in [*self._entries.values(), *self._orphans]:
             self._reap_entry(entry)
 
     def _reap_entry(self, entry: _Entry) -> None:

@@ -16,7 +16,7 @@ import os
 import select
 import socket
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -102,6 +102,7 @@ class SegmentMap:
         # A get's packed results (`wire.split_reply`) -> (results, views): the same reply again
         # (the same versions in the same places) is answered without decoding it.
         self._replies: dict[bytes, tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
+        self._unmap_hooks: list[Callable[[int, int], None]] = []
         self._closed = False
         with self._lock:
             self._fetch(None)
@@ -234,8 +235,20 @@ class SegmentMap:
             raise DaemonUnavailableError(f"infinityd's fd channel broke ({exc}); restart it "
                                          f"and connect again") from None
 
+    def add_unmap_hook(self, hook: Callable[[int, int], None]) -> None:
+        """`hook(start, end)` runs before a segment's mapping is dropped (see Client)."""
+        with self._lock:
+            if hook not in self._unmap_hooks:
+                self._unmap_hooks.append(hook)
+
+    def _unmapping(self, mapping: _Mapping) -> None:
+        for hook in self._unmap_hooks:
+            hook(mapping.address, mapping.address + mapping.size_bytes)
+
     def _forget(self, segment: int) -> None:
         mapping = self._mappings.pop(segment, None)
+        if mapping is not None:
+            self._unmapping(mapping)
         self._replies.clear()  # rare (a segment retired): not worth finding the ones it touches
         for key in [k for k in self._typed if k[0] == segment]:
             del self._typed[key]
@@ -260,6 +273,8 @@ class SegmentMap:
         with self._lock:
             self._closed = True
             self._sock.close()
+            for mapping in self._mappings.values():
+                self._unmapping(mapping)
             self._mappings.clear()
             self._typed.clear()
             self._views.clear()

@@ -273,9 +273,9 @@ class Catalog:
             if exclusive:
                 version.exclusive = client
                 self.num_exclusive += 1
-                self._space.leased_exclusively(version)
-                if version.wire:
-                    set_placement(version)  # the new count of edits, from this get on
+                self._space.leased_exclusively(version)  # counts the edit (version.edits)
+                if version.wire:  # resident: its placement carries the new count from this get on
+                    set_placement(version)
             else:
                 version.shared += 1
             lease.holds.append((version, exclusive))
@@ -372,7 +372,8 @@ class Catalog:
         check_key(namespace, name)
         version = Version(key, next(self._stamps), dtype, shape, nbytes, cpu, dirty=dirty,
                           nvme=nvme)
-        set_placement(version)
+        if cpu is not None or not nbytes:  # on NVMe only: placed when a load brings it in
+            set_placement(version)
         entries = self._namespaces.setdefault(namespace, {})
         counters = self.namespace_counters.setdefault(namespace, NamespaceCounters())
         old = entries.get(name)

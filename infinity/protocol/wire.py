@@ -746,11 +746,10 @@ class Placement(NamedTuple):
     `version` is 0 for a reservation. `edits` counts the exclusive leases granted on the
     version so far: its bytes may have changed in place since a placement with fewer (a
     client that keeps copies, as a device cache does, copies again). A get's lease has no
-    id of its own: it is
-    the get's request id, and `release` names it so. That keeps a version's
-    placement identical from one get to the next, so the daemon sends the same
-    value every time and the client can key its cached views by it. A
-    NamedTuple: a batched get decodes dozens per reply.
+    id of its own: it is the get's request id, and `release` names it so. That keeps a
+    version's placement identical from one get to the next, so the daemon sends the same
+    value every time and the client can key its cached views by it. A NamedTuple: a
+    batched get decodes dozens per reply.
     """
 
     segment: int
