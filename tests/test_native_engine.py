@@ -369,7 +369,8 @@ def test_bad_fd_fails_the_batch_with_ebadf(engine: _native.Engine) -> None:
     bad = (1 << 30 if hard == resource.RLIM_INFINITY else min(hard, 1 << 30)) + 7
     err, message = run(engine, [(False, bad, buf.address, MiB, 0, True, 0, 0)])
     assert err == errno.EBADF
-    assert f"fd {bad}" in message and "offset 0" in message
+    # Whichever of the op's chunks fails first is reported (two workers race): its fd and offset.
+    assert f"fd {bad}, offset " in message and "Bad file descriptor" in message
 
 
 def test_read_past_end_of_file_is_eio_short_read(engine: _native.Engine, disk_tmp: str) -> None:
