@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import select
 import subprocess
@@ -10,6 +11,15 @@ from typing import Any
 
 from infinity.config import InfinityConfig, load_config
 from infinity.protocol.paths import child_environment
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser, *, set_example: str) -> None:
+    """--soak-bytes and --set, as every benchmark that starts a daemon takes them."""
+    parser.add_argument("--soak-bytes", default="auto",
+                        help="memory taken (and held) before anything else: a size, 0 for none, "
+                             "or auto (the free blocks of 64 KiB and less, see bench_store.py)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help=f"a daemon setting, e.g. {set_example} (repeatable)")
 
 
 def typed_settings(texts: list[str]) -> dict[str, Any]:

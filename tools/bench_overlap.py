@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from bench_launch import start_daemon, typed_settings
+from bench_launch import add_daemon_arguments, start_daemon, typed_settings
 from bench_store import RawEngine, _bytes, small_free_blocks_bytes
 from infinity.config import InfinityConfig, MiB
 
@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-bytes", type=_bytes, default=32 * MiB)
     parser.add_argument("--pair-steps", type=int, default=4,
                         help="steps each of the two clients times")
-    parser.add_argument("--soak-bytes", default="auto",
-                        help="memory taken (and held) before anything else, as in bench_store.py: "
-                             "a size, 0 for none, or auto (the free blocks of 64 KiB and less)")
-    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="a daemon setting for both daemons (e.g. scheduler.lookahead_accesses=8)")
+    add_daemon_arguments(parser, set_example="scheduler.lookahead_accesses=8 (both daemons)")
     args = parser.parse_args(argv)
     extra = typed_settings(args.set)
     torch.set_num_threads(1)

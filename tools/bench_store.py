@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from bench_launch import start_daemon, typed_settings
+from bench_launch import add_daemon_arguments, start_daemon, typed_settings
 from infinity.config import GiB, InfinityConfig, MiB
 from infinity.io import IOEngine, IOOp, aligned_empty
 
@@ -150,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="bytes put per round in the write-back phase")
     parser.add_argument("--in-flight", type=int, default=4,
                         help="tensors per get_many request, and per raw engine batch")
-    parser.add_argument("--soak-bytes", default="auto",
-                        help="memory taken (and held) before anything else: a size, 0 for none, "
-                             "or auto (the free blocks of 64 KiB and less, see below)")
-    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="a daemon setting (e.g. nvme.staged_reads=off); the raw engine takes [io]")
+    add_daemon_arguments(parser, set_example="nvme.staged_reads=on (the raw engine takes [io])")
     args = parser.parse_args(argv)
     extra = typed_settings(args.set)
     # The kernel hands out its free fragments (pages left by processes that exited) before

@@ -409,12 +409,12 @@ class Daemon:
 
     def _get_ahead(self, session: Session, identity: bytes, request_id: int,
                    body: Sequence[Any]) -> None:
-        self._get(session, identity, request_id, wire.GetAhead.from_body(body).items, track=False)
+        self._get(session, identity, request_id, body, track=False)
 
     def _get(self, session: Session, identity: bytes, request_id: int,
              body: Sequence[Any], *, track: bool = True) -> None:
         """track=False (get_ahead): the same leases, unseen by the scheduler."""
-        items = wire.Get.from_body(body).items if track else cast("tuple[wire.GetItem, ...]", body)
+        items = (wire.Get if track else wire.GetAhead).from_body(body).items
         _, outcomes = self.catalog.acquire(session.id, request_id, items)
         results: list[Any] = []
         nbytes = 0

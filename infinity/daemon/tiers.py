@@ -297,17 +297,18 @@ class TierManager:
 
     def written(self, version: Version) -> None:
         version.dirty = True
-        copy = version.nvme
-        if copy is not None:
-            version.nvme = None
-            copy.owned = False
-            self._release_copy(copy)
+        self._drop_copy(version)
 
     def retire(self, version: Version) -> None:
         if version.cpu is not None:
             self.arena.free(version.cpu)
             version.cpu = None
             self._wake_space()
+        self._drop_copy(version)
+
+    def _drop_copy(self, version: Version) -> None:
+        """The version's NVMe copy no longer describes it (written in place) or is no longer
+        needed (retired): it goes back to the store."""
         copy = version.nvme
         if copy is not None:
             version.nvme = None
