@@ -354,7 +354,10 @@ uint64_t Engine::submit(const std::vector<OpSpec>& specs) {
     {
       std::lock_guard<std::mutex> lk(q->mu);
       for (size_t i = 0; i < nops; ++i)
-        if (ops[i].nbytes && ops[i].via_threads == sync) q->ops.push_back(&ops[i]);
+        if (ops[i].nbytes && ops[i].via_threads == sync) {
+          q->ops.push_back(&ops[i]);
+          if (!ops[i].staged) ++q->unstaged_ops;
+        }
     }
     q->cv.notify_all();
   }
@@ -433,6 +436,7 @@ void Engine::cancel_queue(WorkQueue& q) {
   {
     std::lock_guard<std::mutex> lk(q.mu);
     left.swap(q.ops);
+    q.unstaged_ops = 0;
     q.stopping = true;
   }
   q.cv.notify_all();
@@ -528,13 +532,23 @@ void Engine::land_staged(Chunk& c) {
 
 size_t Engine::take_chunks(WorkQueue& q, Chunk* out, size_t max, size_t max_staged) {
   size_t n = 0, staged = 0;
-  while (n < max && !q.ops.empty()) {
-    Op* op = q.ops.front();
-    if (op->staged && staged++ == max_staged) break;  // it waits for a staging block
+  auto it = q.ops.begin();
+  while (n < max && it != q.ops.end()) {
+    Op* op = *it;
+    if (op->staged && staged == max_staged) {
+      // It waits for a staging block; ops queued behind it that need none go ahead.
+      if (q.unstaged_ops == 0) break;
+      ++it;
+      continue;
+    }
+    if (op->staged) ++staged;
     const uint64_t len = std::min(block_, op->nbytes - op->next);
     out[n++] = Chunk{op, op->next, len, 0, 0};
     op->next += len;
-    if (op->next == op->nbytes) q.ops.pop_front();
+    if (op->next == op->nbytes) {
+      if (!op->staged) --q.unstaged_ops;
+      it = q.ops.erase(it);
+    }
   }
   return n;
 }

@@ -64,6 +64,7 @@ struct WorkQueue {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Op*> ops;  // ops with bytes not yet handed to a worker
+  size_t unstaged_ops = 0;  // of those, the ones that need no staging block
   // Chunks whose data has arrived and whose CRC block is due, for any idle
   // worker to take: the disk tends to complete a deep queue in bursts that
   // belong to one worker. A fixed ring, so no allocation per chunk.

@@ -67,6 +67,13 @@ SCRIPT = textwrap.dedent(
         staged = (False, fd, dst.address, nbytes, 0, True, ctypes.addressof(crcs), MiB, True)
         assert eng.wait(eng.submit([staged])) == (0, "")
         assert bytes(memoryview(dst)) == data and eng.staged_bytes == 2 * nbytes  # written, read
+        # One staging block: staged ops wait for it while the direct ones between them go ahead.
+        mixed = n.Engine(1, 4, 64 * 1024, backend, 1)
+        memoryview(dst)[:] = bytes(nbytes)
+        ops = [(False, fd, dst.address + i * MiB, MiB, i * MiB, True, 0, 0, i % 2 == 0) for i in range(3)]
+        assert mixed.wait(mixed.submit(ops)) == (0, "")
+        assert bytes(memoryview(dst)[:3 * MiB]) == data[:3 * MiB]
+        mixed.close()
         with open(path, "r+b") as f:
             f.seek(MiB)
             f.write(b"X")

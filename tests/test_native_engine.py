@@ -295,6 +295,45 @@ def test_staged_read_without_checksums_many_ops_in_flight(backend: str, disk_tmp
     assert bytes(memoryview(dst)) == bytes(memoryview(src))
 
 
+def test_a_staged_read_waiting_for_a_staging_block_does_not_hold_back_direct_ops(disk_tmp: str) -> None:
+    kind = "io_uring" if _native.probe_io_uring()[0] else "aio" if _native.probe_aio()[0] else None
+    if kind is None:
+        pytest.skip("needs io_uring or kernel AIO: a read from an empty pipe is the op that waits")
+    eng = _native.Engine(1, 2, 4096, kind, 1)  # one worker, two slots, one staging block
+    r, w = os.pipe()
+    src, dst = random_buffer(2 * 4096, 33), _native.AlignedBuffer(3 * 4096)
+    fd = open_direct(os.path.join(disk_tmp, "staged-and-direct"))
+    try:
+        assert run(eng, [(True, fd, src.address, 2 * 4096, 0, True, 0, 0)]) == (0, "")
+        # One batch, so the worker finds all three ops queued in this order. The pipe's read takes
+        # the only staging block and stays in flight until the pipe is written to; the worker then
+        # waits for a completion, so whatever it did not take in that round stays queued.
+        batch = eng.submit([(False, r, dst.address, 4096, 0, True, 0, 0, True),
+                            (False, fd, dst.address + 4096, 4096, 0, True, 0, 0, True),
+                            (False, fd, dst.address + 8192, 4096, 4096, True, 0, 0)])
+        # No event marks one op of a batch as done: watch its bytes arrive.
+        expected, deadline = bytes(memoryview(src)[4096:]), time.monotonic() + 10.0
+        while bytes(memoryview(dst)[8192:]) != expected and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # The direct read went ahead of the staged read queued before it.
+        assert bytes(memoryview(dst)[8192:]) == expected
+        assert bytes(memoryview(dst)[4096:8192]) == bytes(4096)  # the staged one still waits
+        os.write(w, bytes(range(256)) * 16)
+        assert eng.wait(batch, 10.0) == (0, "")  # and ran once the block was free
+        assert bytes(memoryview(dst)[4096:8192]) == bytes(memoryview(src)[:4096])
+        assert bytes(memoryview(dst)[:4096]) == bytes(range(256)) * 16
+    finally:
+        os.set_blocking(w, False)
+        try:
+            os.write(w, bytes(4096))  # satisfy the pipe's read if an assertion left it waiting
+        except BlockingIOError:
+            pass
+        eng.close()
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+
+
 def test_staged_read_past_end_of_file_is_eio_short_read(engine: _native.Engine, disk_tmp: str) -> None:
     src, dst = random_buffer(MiB, 24), _native.AlignedBuffer(2 * MiB)
     fd = open_direct(os.path.join(disk_tmp, "staged-short"))
