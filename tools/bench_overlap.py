@@ -18,7 +18,9 @@ layer, 4 layers in flight), and per round and regime the step time with prefetch
 with `scheduler.prefetch = false`: demand loads, next-use eviction) and on (the defaults). The
 ideal is max(K x C, (K x S - tier bytes) / bandwidth): the compute, or the bytes that cannot
 stay in the tier read at the engine's speed. Targets: the median over rounds of on / ideal at
-most 1.15 in both regimes; off / ideal visibly above.
+most 1.15 in both regimes; off / ideal visibly above. Also reported, outside the targets: the
+engine's bandwidth again while another process multiplies as the I/O-dominated step does (the
+share of the disk that the compute's memory traffic costs on this machine).
 
 Then two clients (processes) with no compute at all, each stepping over its own K/2 layers
 (the tier a quarter of the whole), so their demand is far above the engine: reported are the
@@ -75,6 +77,37 @@ def time_multiply(rows: int, layer: torch.Tensor, repeats: int = 5) -> float:
         consume(layer, x, 0)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _multiply_loop(rows: int, shape: tuple[int, int], ready: Any, stop: Any) -> None:
+    torch.set_num_threads(1)
+    x = torch.ones(rows, ROWS)
+    # Four layers, past the last-level cache: each multiply reads its layer from memory, as a
+    # step's multiply reads the layer the daemon just loaded.
+    layers = [torch.full(shape, layer_value(i)) for i in range(4)]
+    ready.set()
+    i = 0
+    while not stop.is_set():
+        consume(layers[i % 4], x, i % 4)
+        i += 1
+
+
+def engine_beside_multiply(raw: RawEngine, num_layers: int, layer_bytes: int, rows: int,
+                           shape: tuple[int, int]) -> float:
+    """The engine's read bandwidth (as measured alone) while another process multiplies like the
+    I/O-dominated step does: what the disk gives when the compute shares the memory bus."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    worker = spawn.Process(target=_multiply_loop, args=(rows, shape, ready, stop))
+    worker.start()
+    try:
+        if not ready.wait(60):
+            raise SystemExit("the multiplying process did not start")
+        read_s = statistics.median(raw.read(num_layers) for _ in range(3))
+    finally:
+        stop.set()
+        worker.join(60)
+    return num_layers * layer_bytes / read_s
 
 
 def rows_for(target_s: float, layer: torch.Tensor) -> int:
@@ -198,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = rows_for(factor * layer_read_s, resident)
                 xs[regime] = torch.ones(rows, ROWS)
                 compute_s[regime] = time_multiply(rows, resident, 9)
+            beside_bandwidth = engine_beside_multiply(
+                raw, num_layers, layer_bytes, xs["io_dominated"].shape[0], shape)
 
             # Record each regime's trace once per daemon (its own client name: the timing of
             # the two regimes differs), then time one step per round, regime and mode.
@@ -271,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                      "scheduler": {k: v for k, v in config.scheduler.__dict__.items()
                                    if k != "namespace_quota_bytes"}},
         "engine_read_gbps_at_start": round(bandwidth / 1e9, 3),
+        # Not part of the targets: the engine alone again, beside a process multiplying as the
+        # I/O-dominated step does. Its ratio is how much of the disk the compute's memory
+        # traffic costs on this machine, whatever the daemon does.
+        "engine_read_gbps_beside_multiply": round(beside_bandwidth / 1e9, 3),
+        "engine_beside_multiply_over_alone": round(beside_bandwidth / bandwidth, 3),
         "rounds": rounds,
         "summary": summary,
         "two_clients": pair,
