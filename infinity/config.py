@@ -136,8 +136,18 @@ class CpuTierConfig:
     hugepages: bool = True  # use huge pages where the system allows, silently fall back
     lock: bool = False  # mlock the segments (needs RLIMIT_MEMLOCK >= budget)
     prefault: bool = True
+    # The share of the budget that may hold spare reservations: after a `put`, the daemon keeps
+    # a fresh slice of the same name and shape for that client's next put of it (one round trip
+    # instead of two), taken only from free room (or a segment the budget allows), never by
+    # evicting. 0: none.
+    spare_fraction: float = 0.125
+
+    @property
+    def spare_budget_bytes(self) -> int:
+        return int(self.budget_bytes * self.spare_fraction)
 
     def validate(self) -> None:
+        _require(0.0 <= self.spare_fraction <= 0.5, "cpu.spare_fraction must be between 0 and 0.5")
         _require(self.segment_bytes >= 2 * MiB and self.segment_bytes % (2 * MiB) == 0,
                  "cpu.segment_bytes must be a positive multiple of 2 MiB (2097152)")
         _require(self.budget_bytes >= self.segment_bytes,

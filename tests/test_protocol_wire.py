@@ -22,6 +22,7 @@ REQUESTS: list[wire.Request] = [
     wire.Reserve((wire.ReserveItem("ns", "g", "bfloat16", (3, 0, 7)),
                   wire.ReserveItem("ns", "s", "float32", ()))),
     wire.Commit((wire.TensorRef("ns", "g"),)),
+    wire.CommitRenew((wire.TensorRef("ns", "g"), wire.TensorRef("ns", "h"))),
     wire.CommitDurable((wire.TensorRef("ns", "g"), wire.TensorRef("ns", "h"))),
     wire.FlushStore(),
     wire.StreamOpen("ns", "big", "write", "float16", (1 << 20, 4096)),
@@ -55,6 +56,15 @@ def test_releases_ride_along_with_any_request() -> None:
     assert not wire.decode_envelope(wire.encode_request(3, wire.Stats())).releases
     with pytest.raises(ProtocolError):
         wire.decode_envelope(msgpack.packb(["stats", 3, [], ["x"]]))
+
+
+def test_a_commit_renew_result_is_a_version_and_a_spare_placement_or_none() -> None:
+    spare = wire.Placement(2, 8192, 44, "float32", (11,), 0)
+    assert wire.decode_renewed([7, spare.to_wire()]) == (7, spare)
+    assert wire.decode_renewed([8, None]) == (8, None)
+    for bad in ([7], [7, [1, 2]], ["7", None], 7):
+        with pytest.raises(ProtocolError):
+            wire.decode_renewed(bad)
 
 
 def test_every_operation_has_exactly_one_schema() -> None:

@@ -51,7 +51,7 @@ from infinity.client.channel import Channel
 from infinity.client.segments import SegmentMap, dtype_name
 from infinity.config import InfinityConfig, load_config
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
-                             InvalidRequestError)
+                             InvalidRequestError, TierFullError)
 from infinity.io import copy_into
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
@@ -176,6 +176,10 @@ class Client:
         self._request_ids = itertools.count(1)
         self._pending_lock = threading.Lock()
         self._pending_releases: list[int] = []  # shared leases released but not yet told
+        # Spare reservations the daemon left after this client's puts, by (namespace, name):
+        # the next put or reserve of the same dtype and shape fills one instead of asking.
+        self._spares_lock = threading.Lock()
+        self._spares: dict[tuple[str, str], _Spare] = {}
         self.steps_begun = 0  # step_begin calls so far (a DeviceCache asks anew at each)
         self._segments: SegmentMap | None = None
         self._heartbeat_stop = threading.Event()
@@ -384,16 +388,35 @@ class Client:
 
         Each item is a tensor to mimic (dtype and shape) or a (dtype, shape) pair.
         """
-        request = []
+        wanted = []
         for name, spec in items.items():
             if isinstance(spec, torch.Tensor):
                 dtype, shape = spec.dtype, tuple(spec.shape)
             else:
                 dtype, dims = spec
                 shape = tuple(int(d) for d in dims)
-            request.append(wire.ReserveItem(namespace, name, dtype_name(dtype), shape))
-        results = self._call(wire.Reserve(tuple(request)))
-        views: dict[str, torch.Tensor] = {}
+            wanted.append(wire.ReserveItem(namespace, name, dtype_name(dtype), shape))
+        self._check_usable()
+        views, stale = self._take_spares(wanted)
+        if stale:
+            self._abort_quietly(stale, namespace)  # another dtype or shape: ask afresh
+        request = [item for item in wanted if item.name not in views]
+        if not request:
+            return views
+        try:
+            results = self._call(wire.Reserve(tuple(request)))
+            if self._spares and any(type(r) is ItemError and r.code == TierFullError.code
+                                    for r in results):
+                # The spares this client holds take room in the tier: give them back and ask
+                # again for what did not fit (a spare is only a shortcut for a later put).
+                self._drop_all_spares()
+                retry = [i for i, r in enumerate(results)
+                         if type(r) is ItemError and r.code == TierFullError.code]
+                again = dict(zip(retry, self._call(wire.Reserve(tuple(request[i] for i in retry)))))
+                results = tuple(again.get(i, r) for i, r in enumerate(results))
+        except BaseException:
+            self._return_spares(namespace, views)
+            raise
         first_error: ItemError | None = None
         try:
             for item, result in zip(request, results):
@@ -408,8 +431,83 @@ class Client:
                         if type(result) is not ItemError]
             if reserved:
                 self.abort(reserved, namespace=namespace)
+            self._return_spares(namespace, {item.name: views[item.name] for item in wanted
+                                            if item.name in views and item not in request})
             raise
         return views
+
+    # --- spare reservations -------------------------------------------------------------
+
+    def _take_spares(self, wanted: list[wire.ReserveItem]
+                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The views of the spares that fit `wanted` (taken: they are the caller's now), and the
+        names whose spare does not fit (forgotten: the caller aborts them)."""
+        views: dict[str, torch.Tensor] = {}
+        stale: list[str] = []
+        with self._spares_lock:
+            if not self._spares:
+                return views, stale
+            for item in wanted:
+                spare = self._spares.pop((item.namespace, item.name), None)
+                if spare is None:
+                    continue
+                if spare.dtype == item.dtype and spare.shape == item.shape:
+                    views[item.name] = spare.view
+                else:
+                    stale.append(item.name)
+        return views, stale
+
+    def _return_spares(self, namespace: str, views: Mapping[str, torch.Tensor]) -> None:
+        """Spares taken for a reserve that failed: still reserved, still unwritten."""
+        with self._spares_lock:
+            for name, view in views.items():
+                self._spares[(namespace, name)] = _Spare(dtype_name(view.dtype),
+                                                         tuple(view.shape), view)
+
+    def _forget_spares(self, namespace: str, names: Iterable[str]) -> list[str]:
+        """Drop the records of these names' spares; returns the names that had one."""
+        with self._spares_lock:
+            if not self._spares:
+                return []
+            return [name for name in names
+                    if self._spares.pop((namespace, name), None) is not None]
+
+    def _drop_all_spares(self) -> None:
+        with self._spares_lock:
+            held, self._spares = list(self._spares), {}
+        by_namespace: dict[str, list[str]] = {}
+        for namespace, name in held:
+            by_namespace.setdefault(namespace, []).append(name)
+        for namespace, names in by_namespace.items():
+            self._abort_quietly(names, namespace)
+
+    def _keep_spare(self, namespace: str, name: str, placement: Placement) -> None:
+        try:
+            view = self._view(placement)
+        except InfinityError:
+            # Only a shortcut for the next put was lost (the commit itself succeeded).
+            self._abort_quietly([name], namespace)
+            return
+        with self._spares_lock:
+            self._spares[(namespace, name)] = _Spare(placement.dtype, placement.shape, view)
+
+    def _commit_renew(self, names: list[str], namespace: str) -> dict[str, int]:
+        """`commit`, keeping the spare reservations the daemon leaves for the next puts."""
+        refs = tuple(wire.TensorRef(namespace, n) for n in names)
+        results = self._call(wire.CommitRenew(refs))
+        versions: dict[str, int] = {}
+        first_error: ItemError | None = None
+        for name, result in zip(names, results):
+            if type(result) is ItemError:
+                first_error = first_error or result
+                continue
+            version, spare = wire.decode_renewed(result)
+            versions[name] = version
+            if spare is not None:
+                self._keep_spare(namespace, name, spare)
+        if first_error is not None:
+            raise first_error.exception()
+        return versions
 
     def commit(self, names: Names, *, namespace: str = "default",
                durable: bool = False) -> dict[str, int]:
@@ -419,6 +517,11 @@ class Client:
         module docstring); if that fails, they are published all the same and the error is
         raised (the name's last durable version stays what it was on disk)."""
         listed = _names(names)
+        # A spare this client's puts left and nobody took holds no bytes of the caller's: it must
+        # not be published. Dropped, the commit then says the name was not reserved.
+        stray = self._forget_spares(namespace, listed)
+        if stray:
+            self._abort_quietly(stray, namespace)
         refs = tuple(wire.TensorRef(namespace, n) for n in listed)
         results = self._call(wire.CommitDurable(refs) if durable else wire.Commit(refs),
                              patient=durable)
@@ -428,6 +531,7 @@ class Client:
     def abort(self, names: Names, *, namespace: str = "default") -> None:
         """Discard this client's reservations (their memory is freed)."""
         listed = _names(names)
+        self._forget_spares(namespace, listed)  # the daemon frees them with the rest
         self._raise_first(self._call(wire.Abort(tuple(wire.TensorRef(namespace, n) for n in listed))))
 
     def put(self, name: str, tensor: torch.Tensor, *, namespace: str = "default",
@@ -439,7 +543,11 @@ class Client:
     def put_many(self, tensors: Mapping[str, torch.Tensor], *, namespace: str = "default",
                  durable: bool = False) -> dict[str, int]:
         """Store several tensors: one reserve request, the copies, one commit request
-        (durable=True: made durable together, in one index transaction)."""
+        (durable=True: made durable together, in one index transaction).
+
+        The daemon answers the commit with a spare reservation of each tensor's name, dtype
+        and shape where it has free room for one (`cpu.spare_fraction`), so putting the same
+        tensors again needs no reserve request: one round trip instead of two."""
         views = self.reserve(tensors, namespace=namespace)
         try:
             for name, tensor in tensors.items():
@@ -450,7 +558,9 @@ class Client:
             self.abort(list(views), namespace=namespace)
             raise
         try:
-            return self.commit(list(views), namespace=namespace, durable=durable)
+            if durable:
+                return self.commit(list(views), namespace=namespace, durable=True)
+            return self._commit_renew(list(views), namespace)
         except InfinityError:
             # What was not published (a request refused as a whole, e.g. durable without an
             # NVMe tier) is still reserved: drop it. Published items just refuse the abort.
@@ -499,6 +609,8 @@ class Client:
         durable (see `commit`). Returns the version number.
         """
         flat = _byte_view(src, "src")
+        if self._forget_spares(namespace, [name]):
+            self._abort_quietly([name], namespace)  # the stream reserves the name itself
         info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
                                                  tuple(src.shape)))
         try:
@@ -620,6 +732,9 @@ class Client:
     def delete(self, names: Names, *, namespace: str = "default") -> None:
         """Remove names; current readers keep their versions until they release."""
         listed = _names(names)
+        spared = self._forget_spares(namespace, listed)
+        if spared:
+            self._abort_quietly(spared, namespace)  # nothing more to put under these names
         self._raise_first(self._call(wire.Delete(tuple(wire.TensorRef(namespace, n)
                                                         for n in listed))))
 
@@ -712,6 +827,8 @@ class Client:
             return
         self._closed = True
         _LIVE_CLIENTS.discard(self)
+        with self._spares_lock:
+            self._spares.clear()  # the daemon discards them with the session
         self._heartbeat_stop.set()
         channel: Channel | None = getattr(self._local, "channel", None)
         if send_bye and channel is not None:
@@ -734,6 +851,15 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spare:
+    """A spare reservation held for this client's next put of its name."""
+
+    dtype: str  # the wire's dtype name
+    shape: tuple[int, ...]
+    view: torch.Tensor
 
 
 def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -41,6 +41,12 @@ class Storage(Protocol):
         """A fresh CPU slice; may raise SpaceShortage (wait and retry) or a typed error."""
         ...
 
+    def allocate_spare(self, nbytes: int, *, what: str) -> CpuSlice | None:
+        """A fresh CPU slice from room the tier already has, or None: never by evicting or
+        waiting (a spare reservation is worth less than any tensor). Where the budget allows,
+        it starts the tier's growth for the next spare."""
+        ...
+
     def free(self, piece: CpuSlice) -> None:
         """An aborted reservation's slice."""
         ...
@@ -140,6 +146,9 @@ class Reservation:
     shape: tuple[int, ...]
     nbytes: int
     cpu: CpuSlice | None
+    # Made by `renew` for the client's next put of the name, not asked for: a plain `commit`
+    # from the client takes it all the same (the client library hands it out from `reserve`).
+    spare: bool = False
 
 
 @dataclass(slots=True)
@@ -170,8 +179,9 @@ def check_key(namespace: str, name: str) -> None:
 class Catalog:
     """Names, versions, leases and reservations. Loop thread only (not thread-safe)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, spare_budget_bytes: int = 0) -> None:
         self._space = storage
+        self.spare_budget_bytes = spare_budget_bytes
         self._namespaces: dict[str, dict[str, Version]] = {}
         self._holdings: dict[int, _Holdings] = {}
         self._ids = itertools.count(1)
@@ -187,6 +197,8 @@ class Catalog:
         self.num_held = 0  # tensors held under leases (a lease holds one or more)
         self.num_reservations = 0
         self.reserved_bytes = 0
+        self.num_spares = 0  # of the reservations, those `renew` made
+        self.spare_bytes = 0
 
     # --- lookups ------------------------------------------------------------------
 
@@ -347,6 +359,30 @@ class Catalog:
         self.reserved_bytes += nbytes
         return reservation
 
+    def renew(self, client: int, version: Version) -> Reservation | None:
+        """A spare reservation of `version`'s name, dtype and shape for the client's next put of
+        it, made right after the client published `version`; None when the client already
+        holds a reservation of the name, the spare budget is spent or the tier has no free room."""
+        holdings = self.holder_of(client)
+        if version.key in holdings.reservations:
+            return None
+        nbytes = version.nbytes
+        if self.spare_bytes + nbytes > self.spare_budget_bytes:
+            return None
+        cpu = None
+        if nbytes:
+            cpu = self._space.allocate_spare(nbytes, what=f"a spare slice of {version.key[1]!r}")
+            if cpu is None:
+                return None
+        reservation = Reservation(next(self._ids), client, version.key, version.dtype,
+                                  version.shape, nbytes, cpu, spare=True)
+        holdings.reservations[version.key] = reservation
+        self.num_reservations += 1
+        self.reserved_bytes += nbytes
+        self.num_spares += 1
+        self.spare_bytes += nbytes
+        return reservation
+
     def _take_reservation(self, client: int, namespace: str, name: str) -> Reservation:
         holdings = self._holdings.get(client)
         reservation = holdings.reservations.pop((namespace, name), None) if holdings else None
@@ -357,6 +393,9 @@ class Catalog:
                 f"reserve it first")
         self.num_reservations -= 1
         self.reserved_bytes -= reservation.nbytes
+        if reservation.spare:
+            self.num_spares -= 1
+            self.spare_bytes -= reservation.nbytes
         return reservation
 
     def commit(self, client: int, namespace: str, name: str) -> Version:
@@ -457,6 +496,8 @@ class Catalog:
             "num_exclusive_leases": self.num_exclusive,
             "num_reservations": self.num_reservations,
             "reserved_bytes": self.reserved_bytes,
+            "num_spare_reservations": self.num_spares,
+            "spare_bytes": self.spare_bytes,
             "namespaces": {ns: {"tensors": c.tensors, "bytes": c.bytes}
                            for ns, c in sorted(self.namespace_counters.items())},
         }

@@ -118,7 +118,7 @@ class Daemon:
             self.scheduler = Scheduler(config.scheduler, cpu_tier_bytes=config.cpu.budget_bytes,
                                        is_pinned=lambda key: key not in self.tiers.candidates)
         self.tiers = TierManager(config, self.loop, self.arena, scheduler=self.scheduler)
-        self.catalog = Catalog(self.tiers)
+        self.catalog = Catalog(self.tiers, spare_budget_bytes=config.cpu.spare_budget_bytes)
         self.tiers.attach(self.catalog)
         restored = self.tiers.restore()
         if self.tiers.durable:
@@ -151,6 +151,7 @@ class Daemon:
             "release": self._release,
             "reserve": self._reserve,
             "commit": self._commit,
+            "commit_renew": self._commit_renew,
             "commit_durable": self._commit_durable,
             "flush_store": self._flush_store,
             "stream_open": self._stream_open,
@@ -549,6 +550,31 @@ class Daemon:
         message = wire.Commit.from_body(body)
         results, _ = self._publish(session, message.items)
         self._reply(identity, request_id, results)
+
+    def _commit_renew(self, session: Session, identity: bytes, request_id: int,
+                      body: Sequence[Any]) -> None:
+        message = wire.CommitRenew.from_body(body)
+        # Only a name put again gets a spare: a put of a new name (loading a checkpoint, say)
+        # may well be its only one, and its spare would sit in the tier until the client left.
+        again = [self._exists_quietly(item) for item in message.items]
+        results, committed = self._publish(session, message.items)
+        for i, version in committed:
+            spare = self.catalog.renew(session.id, version) if again[i] else None
+            placement = None
+            if spare is not None:
+                cpu = spare.cpu
+                placement = Placement(
+                    -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+                    spare.nbytes, spare.dtype, spare.shape, 0).to_wire()
+                session.counters.spares += 1
+            results[i] = [version.stamp, placement]
+        self._reply(identity, request_id, results)
+
+    def _exists_quietly(self, item: wire.TensorRef) -> bool:
+        try:
+            return self.catalog.exists(item.namespace, item.name)
+        except InfinityError:
+            return False  # a bad name: the commit reports it
 
     def _publish(self, session: Session, items: Sequence[wire.TensorRef]
                  ) -> tuple[list[Any], list[tuple[int, Version]]]:

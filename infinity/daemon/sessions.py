@@ -40,6 +40,7 @@ class ClientCounters:
     reserve_bytes: int = 0
     commits: int = 0
     commit_bytes: int = 0
+    spares: int = 0  # spare reservations left after this client's puts (commit_renew)
     releases: int = 0
     deletes: int = 0
     prefetches: int = 0

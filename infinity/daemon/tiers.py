@@ -278,6 +278,25 @@ class TierManager:
         self._zero_padding(piece, nbytes)
         return piece
 
+    def allocate_spare(self, nbytes: int, *, what: str) -> CpuSlice | None:
+        if nbytes > self.arena.config.segment_bytes:
+            return None  # it would need a dedicated segment of its own: growth
+        arena = self.arena
+        try:
+            piece = arena.allocate(nbytes, what=what)
+        except SpaceShortage as shortage:
+            # Not now: a spare never waits. But where the budget allows another segment, start
+            # it, so that the next put of the tensor finds room for its spare.
+            if not arena.growing:
+                plan = arena.plan_growth(shortage)
+                if plan is not None:
+                    self._grow_arena(plan)
+            return None
+        except (TierFullError, TooLargeError):
+            return None  # only evicting would make room: a spare is not worth a tensor
+        self._zero_padding(piece, nbytes)
+        return piece
+
     def free(self, piece: CpuSlice) -> None:
         self.arena.free(piece)
         self._wake_space()

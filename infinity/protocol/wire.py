@@ -38,7 +38,7 @@ import msgpack
 
 from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, error_from_code
 
-PROTOCOL_VERSION = 2  # 2: placements carry `edits`; ops get_ahead and upcoming
+PROTOCOL_VERSION = 3  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew
 
 # Hard limits, enforced while decoding, so a hostile or broken peer cannot make
 # either side allocate without bound. The daemon also caps whole frames
@@ -405,6 +405,16 @@ class Commit(_NamedItems):
 
 
 @dataclass(frozen=True, slots=True)
+class CommitRenew(_NamedItems):
+    """Publishes reservations like `commit`, and leaves the client a spare reservation of each
+    name, dtype and shape for its next put of it, where the daemon has free room for one.
+    Each result is [version, placement of the spare or nil]. `put` sends it: its next put of
+    the same tensor then needs this one round trip and no `reserve`."""
+
+    OP: ClassVar[str] = "commit_renew"
+
+
+@dataclass(frozen=True, slots=True)
 class CommitDurable(_NamedItems):
     """Publishes reservations like `commit`, then makes them durable: each is written to NVMe,
     fdatasync'ed and recorded in the store's index before the reply. Each result is a version
@@ -615,12 +625,12 @@ class Upcoming:
 MAX_UPCOMING_ENTRIES = 4096
 
 Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
-                CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
+                CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
                 Delete, Exists, ListTensors, Step, GetAhead, Upcoming]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
-    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitDurable,
-    FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
+    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
+    CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
     ListTensors, Step, GetAhead, Upcoming)}
 
 # Operations the daemon never answers (a client must not wait for them).
@@ -839,6 +849,13 @@ class TensorInfo:
 
 def decode_version(value: Any) -> int:
     return _int(value, "commit result")
+
+
+def decode_renewed(value: Any) -> tuple[int, Placement | None]:
+    """A `commit_renew` result: the version published and the spare reservation, if any."""
+    version, spare = _list(value, "commit_renew result", 2)
+    return (_int(version, "commit_renew version"),
+            None if spare is None else Placement.from_wire(spare))
 
 
 def decode_bool(value: Any) -> bool:

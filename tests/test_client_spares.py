@@ -1,0 +1,167 @@
+"""Spare reservations: after a put of a name that was there before, the daemon leaves the client
+a fresh slice of the same name, dtype and shape, so the next put of that tensor is one round
+trip (no reserve)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from infinity.errors import LeaseError
+from conftest import RunningDaemon
+
+MiB = 1024 * 1024
+
+
+def ops(client: Any) -> dict[str, int]:
+    return dict(client.stats()["counters"]["ops"])
+
+
+def spares(client: Any) -> tuple[int, int]:
+    catalog = client.stats()["catalog"]
+    return catalog["num_spare_reservations"], catalog["spare_bytes"]
+
+
+def put_twice(client: Any, name: str, tensor: torch.Tensor) -> None:
+    """The second put replaces a version: it leaves a spare."""
+    client.put(name, tensor)
+    client.put(name, tensor)
+
+
+def test_a_put_of_a_new_name_leaves_no_spare(client: Any) -> None:
+    client.put("once", torch.ones(5))
+    assert spares(client) == (0, 0)
+
+
+def test_a_put_after_a_put_that_replaced_a_version_sends_no_reserve(client: Any) -> None:
+    first = torch.arange(1001.0)
+    put_twice(client, "w", first)
+    before = ops(client)
+    client.put("w", first * 2)
+    after = ops(client)
+    assert after.get("reserve", 0) == before.get("reserve", 0)
+    assert after["commit_renew"] - before["commit_renew"] == 1
+    with client.get("w") as view:
+        assert torch.equal(view, first * 2)
+
+
+def test_the_spare_is_held_by_the_daemon_and_invisible_to_other_clients(
+        daemon: RunningDaemon, client: Any) -> None:
+    put_twice(client, "w", torch.ones(3, 5))
+    assert spares(client) == (1, 3 * 5 * 4)
+    other = daemon.connect("reader")
+    try:
+        assert [info.name for info in other.list()] == ["w"]
+        with other.get("w") as view:
+            assert torch.equal(view, torch.ones(3, 5))
+    finally:
+        other.close()
+
+
+def test_a_commit_without_a_reserve_does_not_publish_the_spare(client: Any) -> None:
+    put_twice(client, "w", torch.full((7,), 3.0))
+    with pytest.raises(LeaseError, match="no reservation"):
+        client.commit("w")
+    with client.get("w") as view:
+        assert torch.equal(view, torch.full((7,), 3.0))
+    assert spares(client) == (0, 0)
+
+
+def test_reserve_hands_out_the_spare_and_commit_publishes_what_was_written(client: Any) -> None:
+    put_twice(client, "g", torch.zeros(11))
+    before = ops(client)
+    views = client.reserve({"g": (torch.float32, (11,))})
+    views["g"].fill_(5.0)
+    client.commit("g")
+    assert ops(client).get("reserve", 0) == before.get("reserve", 0)
+    with client.get("g") as view:
+        assert torch.equal(view, torch.full((11,), 5.0))
+
+
+def test_a_put_of_another_shape_drops_the_spare_and_stores_the_new_tensor(client: Any) -> None:
+    put_twice(client, "w", torch.ones(4))
+    new = torch.arange(6.0).reshape(2, 3)
+    client.put("w", new)
+    with client.get("w") as view:
+        assert torch.equal(view, new)
+    assert spares(client) == (1, 6 * 4)  # the spare now has the new shape
+
+
+def test_abort_frees_the_spare(client: Any) -> None:
+    put_twice(client, "w", torch.ones(9))
+    client.abort("w")
+    assert spares(client) == (0, 0)
+    assert client.stats()["catalog"]["num_reservations"] == 0
+
+
+def test_delete_frees_the_deleting_clients_spare(client: Any) -> None:
+    put_twice(client, "w", torch.ones(9))
+    client.delete("w")
+    assert spares(client) == (0, 0)
+    assert client.stats()["tiers"]["cpu"]["used_bytes"] == 0
+
+
+def test_write_from_after_a_put_of_the_same_name_replaces_the_spare(client: Any) -> None:
+    put_twice(client, "w", torch.ones(5))
+    client.write_from("w", torch.full((5,), 2.0))
+    with client.get("w") as view:
+        assert torch.equal(view, torch.full((5,), 2.0))
+
+
+def test_closing_the_client_frees_its_spares(daemon: RunningDaemon) -> None:
+    writer = daemon.connect("writer")
+    for _ in range(2):
+        writer.put_many({"a": torch.ones(100), "b": torch.ones(3)})
+    assert spares(writer) == (2, 400 + 12)
+    writer.close()
+    observer = daemon.connect("observer")
+    try:
+        assert spares(observer) == (0, 0)
+    finally:
+        observer.close()
+
+
+def test_spare_fraction_zero_turns_spares_off(daemon_factory: Callable[..., RunningDaemon]) -> None:
+    client = daemon_factory(**{"cpu.spare_fraction": 0.0}).connect("t")
+    try:
+        put_twice(client, "w", torch.ones(13))
+        before = ops(client)
+        client.put("w", torch.ones(13))
+        assert ops(client)["reserve"] - before["reserve"] == 1
+        assert spares(client) == (0, 0)
+    finally:
+        client.close()
+
+
+def test_spares_stay_within_their_share_of_the_tier(daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # 64 MiB tier in 8 MiB segments, an eighth for spares: two spares of 3 MiB fit, a third not.
+    client = daemon_factory(**{"cpu.spare_fraction": 0.125}).connect("t")
+    try:
+        for i in range(4):
+            put_twice(client, f"t{i}", torch.zeros(3 * MiB // 4 + 5))
+        count, held = spares(client)
+        assert count == 2 and held <= 8 * MiB
+    finally:
+        client.close()
+
+
+def test_a_full_tier_takes_back_the_clients_spares_before_refusing_a_reserve(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # 32 MiB in 8 MiB segments, up to 16 MiB of spares: each tensor of 3 MiB put twice gets a
+    # segment and leaves its spare beside it; four fill the budget, 2 MiB free in each segment.
+    client = daemon_factory(**{"cpu.budget_bytes": 32 * MiB, "cpu.spare_fraction": 0.5}).connect("t")
+    try:
+        block = 3 * MiB // 4
+        for i in range(4):
+            put_twice(client, f"k{i}", torch.full((block,), float(i)))
+        assert spares(client) == (4, 12 * MiB)
+        client.put("extra", torch.ones(block))  # fits only where a spare was
+        with client.get("extra") as view:
+            assert torch.equal(view, torch.ones(block))
+        for i in range(4):
+            with client.get(f"k{i}") as view:
+                assert torch.equal(view, torch.full((block,), float(i)))
+    finally:
+        client.close()
