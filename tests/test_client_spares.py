@@ -9,8 +9,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from infinity.errors import LeaseError
-from conftest import RunningDaemon
+from infinity.errors import InfinityError, LeaseError
+from infinity.protocol import wire
+from conftest import RunningDaemon, wait_until
 
 MiB = 1024 * 1024
 
@@ -50,7 +51,7 @@ def test_a_put_after_a_put_that_replaced_a_version_sends_no_reserve(client: Any)
 def test_the_spare_is_held_by_the_daemon_and_invisible_to_other_clients(
         daemon: RunningDaemon, client: Any) -> None:
     put_twice(client, "w", torch.ones(3, 5))
-    assert spares(client) == (1, 3 * 5 * 4)
+    assert spares(client) == (1, 4096)  # a slice is at least 4 KiB
     other = daemon.connect("reader")
     try:
         assert [info.name for info in other.list()] == ["w"]
@@ -86,7 +87,7 @@ def test_a_put_of_another_shape_drops_the_spare_and_stores_the_new_tensor(client
     client.put("w", new)
     with client.get("w") as view:
         assert torch.equal(view, new)
-    assert spares(client) == (1, 6 * 4)  # the spare now has the new shape
+    assert spares(client) == (1, 4096)  # the spare now has the new shape
 
 
 def test_abort_frees_the_spare(client: Any) -> None:
@@ -114,7 +115,7 @@ def test_closing_the_client_frees_its_spares(daemon: RunningDaemon) -> None:
     writer = daemon.connect("writer")
     for _ in range(2):
         writer.put_many({"a": torch.ones(100), "b": torch.ones(3)})
-    assert spares(writer) == (2, 400 + 12)
+    assert spares(writer) == (2, 2 * 4096)
     writer.close()
     observer = daemon.connect("observer")
     try:
@@ -165,3 +166,69 @@ def test_a_full_tier_takes_back_the_clients_spares_before_refusing_a_reserve(
                 assert torch.equal(view, torch.full((block,), float(i)))
     finally:
         client.close()
+
+
+def test_small_spares_are_charged_whole_4kib_slices(daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # 64 MiB x 0.001 = 67,108 bytes of spares: sixteen 4 KiB slices, whatever the tensors' size.
+    client = daemon_factory(**{"cpu.spare_fraction": 0.001}).connect("t")
+    try:
+        for i in range(20):
+            put_twice(client, f"s{i}", torch.ones(16))  # 64 bytes each
+        assert spares(client) == (16, 16 * 4096)
+    finally:
+        client.close()
+
+
+def test_a_put_many_whose_commit_fails_for_one_item_forgets_the_spares_it_was_left(
+        daemon: RunningDaemon, client: Any) -> None:
+    n = 4096
+    put_twice(client, "a", torch.zeros(n))  # "a" has a spare
+    client.put("b", torch.zeros(n))
+    # The fault: "b"'s reservation gone when the commit arrives, as when another thread of the
+    # client aborts it at that moment. The abort is a real request; only its timing is forced.
+    real_call = client._call
+
+    def call(message: Any, **kwargs: Any) -> Any:
+        if isinstance(message, wire.CommitRenew):
+            real_call(wire.Abort((wire.TensorRef("default", "b"),)))
+        return real_call(message, **kwargs)
+
+    client._call = call
+    try:
+        with pytest.raises(LeaseError):
+            client.put_many({"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)})
+    finally:
+        client._call = real_call
+    assert spares(client) == (0, 0) and not client._spares
+    other = daemon.connect("other")
+    try:
+        other.put("victim", torch.full((n,), 7.0))  # may get the slice the spare had
+        client.put("a", torch.full((n,), 9.0))
+        with other.get("victim") as view:
+            assert torch.equal(view, torch.full((n,), 7.0))
+        with client.get("a") as view:
+            assert torch.equal(view, torch.full((n,), 9.0))
+    finally:
+        other.close()
+
+
+def test_a_spare_older_than_half_the_client_timeout_is_not_written_into(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    daemon = daemon_factory(**{"daemon.client_timeout_s": 1.0, "daemon.heartbeat_interval_s": 0.25})
+    frozen, other = daemon.connect("frozen"), daemon.connect("other")
+    try:
+        n = 4096
+        put_twice(frozen, "a", torch.zeros(n))
+        # A process stopped for longer than the timeout (no heartbeats) loses its session and
+        # the daemon frees its spare; stopping the heartbeat thread stands in for the stop.
+        frozen._heartbeat_stop.set()
+        wait_until(lambda: all(c["name"] != "frozen" for c in other.stats()["clients"]),
+                   timeout_s=10, what="the silent client's session to end")
+        other.put("victim", torch.full((n,), 7.0))  # may get the slice the spare had
+        with pytest.raises(InfinityError):
+            frozen.put("a", torch.full((n,), 9.0))
+        with other.get("victim") as view:
+            assert torch.equal(view, torch.full((n,), 7.0))
+    finally:
+        frozen.close()
+        other.close()

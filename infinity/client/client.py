@@ -40,6 +40,7 @@ from collections import deque
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union, cast
 
@@ -180,6 +181,7 @@ class Client:
         # the next put or reserve of the same dtype and shape fills one instead of asking.
         self._spares_lock = threading.Lock()
         self._spares: dict[tuple[str, str], _Spare] = {}
+        self._spare_max_age_s = config.daemon.client_timeout_s / 2  # until the welcome says
         self.steps_begun = 0  # step_begin calls so far (a DeviceCache asks anew at each)
         self._segments: SegmentMap | None = None
         self._heartbeat_stop = threading.Event()
@@ -194,6 +196,10 @@ class Client:
             self.daemon_pid = welcome.daemon_pid
             self.daemon_version = welcome.daemon_version
             self._token = welcome.token
+            # A spare is ours as long as the session lives: the daemon ends a session only after
+            # client_timeout_s without a message, so one granted less than half that ago is safe
+            # to write into without asking (an older one might be another tensor's memory by now).
+            self._spare_max_age_s = welcome.client_timeout_s / 2
             self._segments = SegmentMap(layout.fds_path, welcome.token, timeout_s=self._timeout_s)
         except BaseException:
             self._teardown(send_bye=False)
@@ -397,26 +403,34 @@ class Client:
                 shape = tuple(int(d) for d in dims)
             wanted.append(wire.ReserveItem(namespace, name, dtype_name(dtype), shape))
         self._check_usable()
-        views, stale = self._take_spares(wanted)
+        taken, stale = self._take_spares(wanted)
         if stale:
-            self._abort_quietly(stale, namespace)  # another dtype or shape: ask afresh
+            self._abort_quietly(stale, namespace)  # another dtype or shape, or too old: afresh
+        views = {name: spare.view for name, spare in taken.items()}
         request = [item for item in wanted if item.name not in views]
         if not request:
             return views
         try:
             results = self._call(wire.Reserve(tuple(request)))
-            if self._spares and any(type(r) is ItemError and r.code == TierFullError.code
-                                    for r in results):
-                # The spares this client holds take room in the tier: give them back and ask
-                # again for what did not fit (a spare is only a shortcut for a later put).
-                self._drop_all_spares()
-                retry = [i for i, r in enumerate(results)
-                         if type(r) is ItemError and r.code == TierFullError.code]
-                again = dict(zip(retry, self._call(wire.Reserve(tuple(request[i] for i in retry)))))
-                results = tuple(again.get(i, r) for i, r in enumerate(results))
         except BaseException:
-            self._return_spares(namespace, views)
+            self._return_spares(namespace, taken)
             raise
+        if self._spares and any(type(r) is ItemError and r.code == TierFullError.code
+                                for r in results):
+            # The spares this client holds take room in the tier: give them back and ask
+            # again for what did not fit (a spare is only a shortcut for a later put).
+            retry = [i for i, r in enumerate(results)
+                     if type(r) is ItemError and r.code == TierFullError.code]
+            try:
+                self._drop_all_spares()
+                again = dict(zip(retry, self._call(wire.Reserve(tuple(request[i] for i in retry)))))
+            except BaseException:
+                got = [item.name for item, r in zip(request, results) if type(r) is not ItemError]
+                if got:
+                    self._abort_quietly(got, namespace)
+                self._return_spares(namespace, taken)
+                raise
+            results = tuple(again.get(i, r) for i, r in enumerate(results))
         first_error: ItemError | None = None
         try:
             for item, result in zip(request, results):
@@ -431,38 +445,38 @@ class Client:
                         if type(result) is not ItemError]
             if reserved:
                 self.abort(reserved, namespace=namespace)
-            self._return_spares(namespace, {item.name: views[item.name] for item in wanted
-                                            if item.name in views and item not in request})
+            self._return_spares(namespace, taken)
             raise
         return views
 
     # --- spare reservations -------------------------------------------------------------
 
     def _take_spares(self, wanted: list[wire.ReserveItem]
-                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """The views of the spares that fit `wanted` (taken: they are the caller's now), and the
-        names whose spare does not fit (forgotten: the caller aborts them)."""
-        views: dict[str, torch.Tensor] = {}
+                     ) -> tuple[dict[str, _Spare], list[str]]:
+        """The spares that fit `wanted` (taken: they are the caller's now), and the names whose
+        spare does not fit or is too old to trust (forgotten: the caller aborts them)."""
+        taken: dict[str, _Spare] = {}
         stale: list[str] = []
         with self._spares_lock:
             if not self._spares:
-                return views, stale
+                return taken, stale
+            oldest = time.monotonic() - self._spare_max_age_s
             for item in wanted:
                 spare = self._spares.pop((item.namespace, item.name), None)
                 if spare is None:
                     continue
-                if spare.dtype == item.dtype and spare.shape == item.shape:
-                    views[item.name] = spare.view
+                if (spare.dtype == item.dtype and spare.shape == item.shape
+                        and spare.granted_s >= oldest):
+                    taken[item.name] = spare
                 else:
                     stale.append(item.name)
-        return views, stale
+        return taken, stale
 
-    def _return_spares(self, namespace: str, views: Mapping[str, torch.Tensor]) -> None:
+    def _return_spares(self, namespace: str, taken: Mapping[str, _Spare]) -> None:
         """Spares taken for a reserve that failed: still reserved, still unwritten."""
         with self._spares_lock:
-            for name, view in views.items():
-                self._spares[(namespace, name)] = _Spare(dtype_name(view.dtype),
-                                                         tuple(view.shape), view)
+            for name, spare in taken.items():
+                self._spares[(namespace, name)] = spare
 
     def _forget_spares(self, namespace: str, names: Iterable[str]) -> list[str]:
         """Drop the records of these names' spares; returns the names that had one."""
@@ -473,15 +487,18 @@ class Client:
                     if self._spares.pop((namespace, name), None) is not None]
 
     def _drop_all_spares(self) -> None:
+        # Under the lock until the daemon has them back: a put on another thread that finds no
+        # spare must not reserve a name whose spare the daemon still holds.
         with self._spares_lock:
-            held, self._spares = list(self._spares), {}
-        by_namespace: dict[str, list[str]] = {}
-        for namespace, name in held:
-            by_namespace.setdefault(namespace, []).append(name)
-        for namespace, names in by_namespace.items():
-            self._abort_quietly(names, namespace)
+            by_namespace: dict[str, list[str]] = {}
+            for namespace, name in self._spares:
+                by_namespace.setdefault(namespace, []).append(name)
+            self._spares = {}
+            for namespace, names in by_namespace.items():
+                self._abort_quietly(names, namespace)
 
-    def _keep_spare(self, namespace: str, name: str, placement: Placement) -> None:
+    def _keep_spare(self, namespace: str, name: str, placement: Placement,
+                    granted_s: float) -> None:
         try:
             view = self._view(placement)
         except InfinityError:
@@ -489,11 +506,13 @@ class Client:
             self._abort_quietly([name], namespace)
             return
         with self._spares_lock:
-            self._spares[(namespace, name)] = _Spare(placement.dtype, placement.shape, view)
+            self._spares[(namespace, name)] = _Spare(placement.dtype, placement.shape, view,
+                                                     granted_s)
 
     def _commit_renew(self, names: list[str], namespace: str) -> dict[str, int]:
         """`commit`, keeping the spare reservations the daemon leaves for the next puts."""
         refs = tuple(wire.TensorRef(namespace, n) for n in names)
+        sent_s = time.monotonic()  # the daemon heard from this session no earlier than this
         results = self._call(wire.CommitRenew(refs))
         versions: dict[str, int] = {}
         first_error: ItemError | None = None
@@ -504,7 +523,7 @@ class Client:
             version, spare = wire.decode_renewed(result)
             versions[name] = version
             if spare is not None:
-                self._keep_spare(namespace, name, spare)
+                self._keep_spare(namespace, name, spare, sent_s)
         if first_error is not None:
             raise first_error.exception()
         return versions
@@ -561,9 +580,11 @@ class Client:
             if durable:
                 return self.commit(list(views), namespace=namespace, durable=True)
             return self._commit_renew(list(views), namespace)
-        except InfinityError:
+        except BaseException:
             # What was not published (a request refused as a whole, e.g. durable without an
-            # NVMe tier) is still reserved: drop it. Published items just refuse the abort.
+            # NVMe tier) is still reserved: drop it. Where an item was published, its name's
+            # reservation now is the spare the daemon left, if any: forgotten here, it goes too.
+            self._forget_spares(namespace, list(views))
             self._abort_quietly(list(views), namespace)
             raise
 
@@ -860,6 +881,7 @@ class _Spare:
     dtype: str  # the wire's dtype name
     shape: tuple[int, ...]
     view: torch.Tensor
+    granted_s: float  # time.monotonic() when the commit that left it was sent
 
 
 def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -364,23 +364,23 @@ class Catalog:
         it, made right after the client published `version`; None when the client already
         holds a reservation of the name, the spare budget is spent or the tier has no free room."""
         holdings = self.holder_of(client)
-        if version.key in holdings.reservations:
-            return None
         nbytes = version.nbytes
-        if self.spare_bytes + nbytes > self.spare_budget_bytes:
+        # Charged at what the slice takes (4 KiB-rounded), or small tensors would hold far
+        # more of the tier than the budget says. Zero-byte tensors get none: nothing to save.
+        charge = -(-nbytes // 4096) * 4096
+        if (not nbytes or version.key in holdings.reservations
+                or self.spare_bytes + charge > self.spare_budget_bytes):
             return None
-        cpu = None
-        if nbytes:
-            cpu = self._space.allocate_spare(nbytes, what=f"a spare slice of {version.key[1]!r}")
-            if cpu is None:
-                return None
+        cpu = self._space.allocate_spare(nbytes, what=f"a spare slice of {version.key[1]!r}")
+        if cpu is None:
+            return None
         reservation = Reservation(next(self._ids), client, version.key, version.dtype,
                                   version.shape, nbytes, cpu, spare=True)
         holdings.reservations[version.key] = reservation
         self.num_reservations += 1
         self.reserved_bytes += nbytes
         self.num_spares += 1
-        self.spare_bytes += nbytes
+        self.spare_bytes += cpu.length
         return reservation
 
     def _take_reservation(self, client: int, namespace: str, name: str) -> Reservation:
@@ -394,8 +394,9 @@ class Catalog:
         self.num_reservations -= 1
         self.reserved_bytes -= reservation.nbytes
         if reservation.spare:
+            assert reservation.cpu is not None  # spares are never of zero bytes
             self.num_spares -= 1
-            self.spare_bytes -= reservation.nbytes
+            self.spare_bytes -= reservation.cpu.length
         return reservation
 
     def commit(self, client: int, namespace: str, name: str) -> Version:

@@ -281,6 +281,8 @@ class TierManager:
     def allocate_spare(self, nbytes: int, *, what: str) -> CpuSlice | None:
         if nbytes > self.arena.config.segment_bytes:
             return None  # it would need a dedicated segment of its own: growth
+        if self._space_waiters:
+            return None  # reserves and loads wait for room: theirs first
         arena = self.arena
         try:
             piece = arena.allocate(nbytes, what=what)
