@@ -34,7 +34,7 @@ import zmq
 from infinity import __version__
 from infinity.config import InfinityConfig
 from infinity.daemon.arena import CpuArena, SpaceShortage
-from infinity.daemon.catalog import Catalog, Version
+from infinity.daemon.catalog import Catalog, Reservation, Version
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.scheduler import AccessKind, Scheduler, StreamKey
@@ -100,6 +100,13 @@ class _Deferred:
 
 
 Handler = Callable[[Session, bytes, int, Sequence[Any]], None]
+
+
+def _reserved_placement(reservation: Reservation) -> list[Any]:
+    """A reservation's slice on the wire (version 0: not published)."""
+    cpu = reservation.cpu
+    return Placement(-1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
+                     reservation.nbytes, reservation.dtype, reservation.shape, 0).to_wire()
 
 
 class Daemon:
@@ -525,10 +532,7 @@ class Daemon:
             except InfinityError as exc:
                 request.results.append(self._item_error(session, exc))
             else:
-                cpu = reservation.cpu
-                request.results.append(Placement(
-                    -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
-                    reservation.nbytes, reservation.dtype, reservation.shape, 0).to_wire())
+                request.results.append(_reserved_placement(reservation))
                 session.counters.reserve_bytes += reservation.nbytes
                 self.counters.bytes_reserved += reservation.nbytes
             request.index += 1
@@ -562,10 +566,7 @@ class Daemon:
             spare = self.catalog.renew(session.id, version) if again[i] else None
             placement = None
             if spare is not None:
-                cpu = spare.cpu
-                placement = Placement(
-                    -1 if cpu is None else cpu.segment, 0 if cpu is None else cpu.offset,
-                    spare.nbytes, spare.dtype, spare.shape, 0).to_wire()
+                placement = _reserved_placement(spare)
                 session.counters.spares += 1
             results[i] = [version.stamp, placement]
         self._reply(identity, request_id, results)

@@ -289,10 +289,7 @@ class TierManager:
         except SpaceShortage as shortage:
             # Not now: a spare never waits. But where the budget allows another segment, start
             # it, so that the next put of the tensor finds room for its spare.
-            if not arena.growing:
-                plan = arena.plan_growth(shortage)
-                if plan is not None:
-                    self._grow_arena(plan)
+            self._start_growth(shortage)
             return None
         except (TierFullError, TooLargeError):
             return None  # only evicting would make room: a spare is not worth a tensor
@@ -357,11 +354,7 @@ class TierManager:
             try:
                 return arena.allocate(nbytes, what=what)
             except SpaceShortage as shortage:
-                if arena.growing:
-                    raise
-                plan = arena.plan_growth(shortage)
-                if plan is not None:
-                    self._grow_arena(plan)
+                if self._start_growth(shortage):
                     raise
                 full: InfinityError = self._tier_full(nbytes, what)
             except TierFullError as exc:
@@ -379,6 +372,18 @@ class TierManager:
                     f"the CPU tier is full and its dirty tensors cannot be written back to make "
                     f"room for {what}: {error}")
             raise self._tier_full(nbytes, what)
+
+    def _start_growth(self, shortage: SpaceShortage) -> bool:
+        """Whether the tier is growing now: already, or by a segment started for `shortage`
+        (False: the budget has no room for it)."""
+        arena = self.arena
+        if arena.growing:
+            return True
+        plan = arena.plan_growth(shortage)
+        if plan is None:
+            return False
+        self._grow_arena(plan)
+        return True
 
     def _tier_full(self, nbytes: int, what: str) -> TierFullError:
         return TierFullError(
