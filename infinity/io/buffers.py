@@ -66,13 +66,19 @@ def crc32c(data: torch.Tensor | bytes | bytearray | memoryview, seed: int = 0) -
     return native().crc32c_buffer(data, seed)
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int = 1) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None = None) -> None:
     """dst.copy_(src) for contiguous CPU tensors of the same dtype and size, with streaming stores.
 
     Meant for filling memory that another process reads (a shared-memory slice
     being `put`): large copies skip loading the destination into the cache.
     Anything else (other dtypes, strides, devices) falls back to `copy_`.
+    `num_threads` defaults to torch's intra-op thread count, the parallelism `copy_`
+    itself would use (one thread cannot saturate the memory of a many-core machine), with
+    at least 4 MiB for each thread, so a small copy does not pay for starting many.
     """
+    if num_threads is None:
+        nbytes = dst.numel() * dst.element_size()
+        num_threads = min(torch.get_num_threads(), max(1, nbytes >> 22))
     if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype
             or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
         dst.copy_(src)
