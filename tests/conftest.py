@@ -203,9 +203,12 @@ def daemon_factory() -> Iterator[Callable[..., RunningDaemon]]:
     started: list[RunningDaemon] = []
     roots: list[str] = []
 
-    def start(**overrides: Any) -> RunningDaemon:
+    def start(*, nvme_tier: bool = False, **overrides: Any) -> RunningDaemon:
         root = short_tmp_root()
         roots.append(root)
+        if nvme_tier:  # one store directory in the daemon's folder
+            os.mkdir(os.path.join(root, "nvme"))
+            overrides = {"nvme.dirs": [os.path.join(root, "nvme")], **overrides}
         started.append(start_daemon_process(root, **overrides))
         return started[-1]
 
@@ -216,6 +219,12 @@ def daemon_factory() -> Iterator[Callable[..., RunningDaemon]]:
             daemon.stop()
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def nvme_daemon(daemon_factory: Callable[..., RunningDaemon]) -> RunningDaemon:
+    """A real infinityd with an NVMe tier behind a small CPU tier (PREFETCH_SETTINGS)."""
+    return daemon_factory(nvme_tier=True, **PREFETCH_SETTINGS)
 
 
 @pytest.fixture

@@ -303,15 +303,41 @@ class Client:
                            exclusive=exclusive, single=True)
 
     def get_many(self, names: Sequence[str], *, namespace: str = "default",
-                 exclusive: bool = False, track: bool = True) -> Lease:
-        """Lease several tensors in one request; `with` yields the list of views, in order.
-
-        track=False: not one of this client's accesses for the daemon's scheduler (it does not
-        enter the step's trace): for bringing tensors somewhere ahead of their use, as
-        `DeviceCache` does with what `upcoming` names."""
-        message = wire.Get if track else wire.GetAhead
-        return self._lease(message.for_names(namespace, names, exclusive),
+                 exclusive: bool = False) -> Lease:
+        """Lease several tensors in one request; `with` yields the list of views, in order."""
+        return self._lease(wire.Get.for_names(namespace, names, exclusive),
                            exclusive=exclusive, single=False)
+
+    def get_resident(self, names: Sequence[str], *, namespace: str = "default"
+                     ) -> tuple[Lease | None, builtins.list[str]]:
+        """Lease those of `names` that the CPU tier holds now, in one request, for bringing
+        them somewhere ahead of their use (as `DeviceCache` does with what `upcoming` names).
+
+        Unlike `get_many` it never waits: a tensor on NVMe alone is left out, not loaded (the
+        daemon's trace-driven prefetch brings it in when it is due), and so is one that cannot
+        be leased now (deleted, leased exclusively). Nor are these gets accesses for the
+        daemon's scheduler: they do not enter the step's trace. Returns the lease, None when
+        it holds nothing, and the names it holds, in the order of its views."""
+        self._check_usable()
+        assert self._segments is not None
+        channel = self._channel()
+        lease_id = next(self._request_ids)
+        answer = channel.call_packed(lease_id, wire.GetAhead.for_names(namespace, names, False),
+                                     releases=self._take_releases())
+        results = (wire.decode_results(answer) if type(answer) is bytes
+                   else self._results(cast(wire.Reply, answer)))
+        held = [i for i, result in enumerate(results)
+                if result is not None and type(result) is not ItemError]
+        if not held:
+            return None, []  # the daemon keeps no lease that holds nothing
+        kept = tuple(results[i] for i in held)
+        try:
+            tensors, _ = self._segments.leased_views(kept)
+        except BaseException:
+            self._release([lease_id], exclusive=False)
+            raise
+        return (Lease(self, [lease_id], tensors, kept, single=False, exclusive=False),
+                [names[i] for i in held])
 
     def upcoming(self, *, namespace: str = "default", max_entries: int = 64,
                  max_bytes: int = 1 << 62) -> builtins.list[tuple[str, int]]:

@@ -7,8 +7,9 @@ says which version is current), then answers from device memory when the cached
 copy is of that version, else copies the CPU-tier view over. After each get it
 brings what comes next into device memory: it asks the daemon what the client's
 trace reads next (`Client.upcoming`, once per window, not per get), leases those
-tensors without making them accesses (`get_many(track=False)`) and starts their
-copies, within the budget and without evicting anything needed sooner.
+of them the CPU tier holds, without making them accesses and without waiting for
+loads from NVMe (`Client.get_resident`), and starts their copies, within the budget
+and without evicting anything needed sooner.
 
 Copies go through a `DeviceCopier`, the small device-copy interface:
 `CudaCopier` copies on a side stream from pinned (registered) shared memory, and
@@ -24,7 +25,10 @@ least recently used first). A tensor handed out by `get` is held until its
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,6 +47,34 @@ _CUDA_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # CUDA pins belong to the process, not to one copier: start address -> end of each pinned range.
 _pins_lock = threading.Lock()
 _pinned: dict[int, int] = {}
+
+
+@functools.cache
+def _cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library that torch loaded into this process; None if there is none
+    to be found (linked statically)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart"):
+                runtime = ctypes.CDLL(fields[5].strip())
+                runtime.cudaGetLastError.restype = ctypes.c_int
+                return runtime
+    return None
+
+
+def _clear_cuda_error(device: torch.device) -> None:
+    """Consume the error a failed runtime call left as this thread's last error. The runtime
+    keeps it until someone reads it, and torch reads it after its next kernel launch, where it
+    would surface as that unrelated kernel's failure."""
+    runtime = _cuda_runtime()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+        return
+    try:  # no runtime library to ask: a launch's own check reads (and so clears) the error
+        torch.empty(1, device=device).zero_()
+    except RuntimeError:
+        pass
 
 
 class DeviceCopier(Protocol):
@@ -124,6 +156,8 @@ class CudaCopier:
                     continue
                 # 1 = cudaHostRegisterPortable: pinned for every device's context, not just this one.
                 status = int(cudart.cudaHostRegister(start, end - start, 1))
+                if status != 0:
+                    _clear_cuda_error(self.device)
                 if status in (0, _CUDA_ALREADY_REGISTERED):
                     _pinned[start] = end
                 else:
@@ -139,7 +173,8 @@ class CudaCopier:
         with _pins_lock:
             if _pinned.pop(start, None) is None:
                 return
-            torch.cuda.cudart().cudaHostUnregister(start)
+            if int(torch.cuda.cudart().cudaHostUnregister(start)) != 0:
+                _clear_cuda_error(torch.device("cuda"))
 
     def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         event = torch.cuda.Event()
@@ -190,7 +225,8 @@ class DeviceCacheStats:
     used_bytes: int = 0
     max_used_bytes: int = 0
     upcoming_requests: int = 0
-    prefetch_errors: int = 0  # prefetches that failed (a name deleted meanwhile, no memory, ...)
+    prefetch_errors: int = 0  # prefetch requests refused, or copies with no device memory
+    prefetch_not_resident: int = 0  # upcoming tensors not prefetched yet: on NVMe alone
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -378,21 +414,26 @@ class DeviceCache:
         if not wanted:
             return
         try:
-            lease = self.client.get_many(wanted, namespace=self.namespace, track=False)
+            # Only what the CPU tier holds now: waiting here for a load from NVMe would stall
+            # the caller's compute. The rest is asked for again at the next get, by which time
+            # the daemon's own prefetch has usually brought it in.
+            lease, names = self.client.get_resident(wanted, namespace=self.namespace)
         except (DaemonUnavailableError, ProtocolError, ForkedClientError):
             raise  # the client itself is unusable: the caller must know
         except InfinityError:
-            # Deleted or leased exclusively meanwhile, no room in the CPU tier, a copy on NVMe
-            # that fails its checksum, ...: prefetch is an optimisation, so the get that asked
-            # for it still succeeds (a get of the bad tensor itself reports it); ask again later.
+            # The request as a whole refused: prefetch is an optimisation, so the get that
+            # asked for it still succeeds; ask again later.
             self.stats.prefetch_errors += 1
             self._window = _Window()
             self._quiet_gets = _QUIET_GETS
             return
+        self.stats.prefetch_not_resident += len(wanted) - len(names)
+        if lease is None:
+            return
         held = 0
         try:
             self._register_segments()  # as in get: before any copy from what it mapped
-            for name, view, revision in zip(wanted, lease.tensors, lease.revisions):
+            for name, view, revision in zip(names, lease.tensors, lease.revisions):
                 needed_in = window.next_use(name)
                 if needed_in is None or not self._room(view.numel() * view.element_size(),
                                                        before=needed_in, dry_run=False):
@@ -410,7 +451,7 @@ class DeviceCache:
             if held == 0:
                 lease.release()
             else:
-                self._entries_sharing(lease, wanted[:held])
+                self._entries_sharing(lease, names[:held])
 
     def _entries_sharing(self, lease: Lease, names: list[str]) -> None:
         shared = _SharedLease(lease, len(names))
@@ -429,12 +470,11 @@ class DeviceCache:
                 f"{self.budget_bytes}; give the cache a larger budget_bytes or keep the tensor "
                 f"on the CPU")
         if not self._room(nbytes, before=None, dry_run=False):
-            held = sum(e.nbytes for e in [*self._entries.values(), *self._orphans]
-                       if e.holds or e.ticket is not None)
+            held = sum(e.nbytes for e in [*self._entries.values(), *self._orphans] if e.holds)
             raise TierFullError(
                 f"the device cache cannot make room for {name!r} ({nbytes} bytes): {held} of its "
-                f"{self.budget_bytes} bytes are held by tensors in use or being copied; release "
-                f"DeviceLeases sooner or give the cache a larger budget_bytes")
+                f"{self.budget_bytes} bytes are held by tensors in use; release DeviceLeases "
+                f"sooner or give the cache a larger budget_bytes")
         return self._start(name, revision, view, source=lease)
 
     def _start(self, name: str, revision: tuple[int, int], view: torch.Tensor, *,
@@ -477,21 +517,32 @@ class DeviceCache:
 
     def _victims(self, before: int | None) -> list[_Entry]:
         """Evictable entries, the best victim first: not upcoming (least recently used first),
-        then upcoming, needed last first; with `before`, only those needed later than that."""
+        then upcoming, needed last first; with `before`, only those needed later than that.
+
+        Without `before` (a get that must copy now), entries whose copy is still under way come
+        last, in the same order: evicting one waits for its copy (its CPU-tier source is
+        released only then), which beats refusing the get. A prefetch never waits so."""
         window = self._window
         far: list[_Entry] = []
         upcoming: list[tuple[int, _Entry]] = []
+        copying: list[tuple[float, int, _Entry]] = []
         for entry in self._entries.values():
-            if entry.holds or entry.ticket is not None:
+            if entry.holds:
                 continue
             distance = window.next_use(entry.name)
+            if entry.ticket is not None:
+                if before is None:
+                    copying.append((-distance if distance is not None else -float("inf"),
+                                    entry.last_use, entry))
+                continue
             if distance is None:
                 far.append(entry)
             elif before is None or distance > before:
                 upcoming.append((distance, entry))
         far.sort(key=lambda e: e.last_use)
         upcoming.sort(key=lambda pair: -pair[0])
-        return far + [entry for _, entry in upcoming]
+        copying.sort(key=lambda item: item[:2])
+        return far + [entry for _, entry in upcoming] + [entry for _, _, entry in copying]
 
     def _replace(self, entry: _Entry) -> None:
         """A newer revision comes: the old copy goes now, or at its holder's last release (its

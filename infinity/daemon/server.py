@@ -421,7 +421,9 @@ class Daemon:
 
     def _get(self, session: Session, identity: bytes, request_id: int,
              body: Sequence[Any], *, track: bool = True) -> None:
-        """track=False (get_ahead): the same leases, unseen by the scheduler."""
+        """track=False (get_ahead): unseen by the scheduler, and only what the CPU tier holds
+        now is leased; an item on NVMe alone is answered nil, neither loaded nor waited for
+        (the client would block on a load the scheduler did not plan)."""
         items = (wire.Get if track else wire.GetAhead).from_body(body).items
         _, outcomes = self.catalog.acquire(session.id, request_id, items)
         results: list[Any] = []
@@ -440,6 +442,11 @@ class Daemon:
                     stream = self._stream_of(session, outcome.key[0])
                     kind = scheduler.touched(stream, outcome.key, outcome.nbytes, now)
                     plan_now = plan_now or kind is not AccessKind.RESIDENT_HIT
+                if outcome.cpu is None and outcome.nbytes and not track:
+                    self.catalog.drop_hold(session.id, request_id, outcome)
+                    results.append(None)
+                    failed = True  # not all leased: the plain reply, which carries the nils
+                    continue
                 if outcome.cpu is None and outcome.nbytes:
                     if missing is None:
                         missing = []

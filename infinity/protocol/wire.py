@@ -38,7 +38,8 @@ import msgpack
 
 from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, error_from_code
 
-PROTOCOL_VERSION = 3  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew
+PROTOCOL_VERSION = 4  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+# 4: get_ahead answers nil for what is not in the CPU tier
 
 # Hard limits, enforced while decoding, so a hostile or broken peer cannot make
 # either side allocate without bound. The daemon also caps whole frames
@@ -585,9 +586,10 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class GetAhead(Get):
-    """A get that is not one of the client's accesses: leases like `get` (same items and
-    results), but the scheduler does not see it, so a client bringing tensors ahead of its use
-    (into a device cache) does not disturb the trace it replays."""
+    """A get that is not one of the client's accesses, for bringing tensors ahead of their use
+    (into a device cache): the scheduler does not see it, so it does not disturb the trace the
+    client replays, and it leases only what the CPU tier holds now. Same items and results as
+    `get`, except that an item on NVMe alone is answered nil: not leased, not loaded."""
 
     OP: ClassVar[str] = "get_ahead"
 
