@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from infinity.config import InfinityConfig, load_config
+from infinity.config import InfinityConfig, MiB, load_config
 from infinity.protocol.paths import child_environment
 
 
@@ -28,6 +28,26 @@ def typed_settings(texts: list[str]) -> dict[str, Any]:
     typed = load_config(env={}, overrides=texts)
     keys = (text.split("=", 1)[0].strip() for text in texts)
     return {key: getattr(getattr(typed, key.split(".")[0]), key.split(".")[1]) for key in keys}
+
+
+def store_daemon_settings(root: str, name: str, *, cpu_budget_bytes: int,
+                          nvme_capacity_bytes: int, prefetch: bool,
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings of a benchmark daemon called `name` under `root`: a CPU tier of
+    `cpu_budget_bytes` (segments of at most 256 MiB) before one store directory, which this
+    creates; `extra` (from --set) overrides all but the prefetch switch."""
+    os.makedirs(os.path.join(root, name, "store"))
+    return {
+        "daemon.runtime_dir": os.path.join(root, name, "rt"),
+        "daemon.log_level": "warning",
+        "daemon.request_timeout_s": 120.0,
+        "cpu.budget_bytes": cpu_budget_bytes,
+        "cpu.segment_bytes": min(256 * MiB, cpu_budget_bytes),
+        "nvme.dirs": [os.path.join(root, name, "store")],
+        "nvme.capacity_bytes_per_dir": nvme_capacity_bytes,
+        **(extra or {}),
+        "scheduler.prefetch": prefetch,
+    }
 
 
 def start_daemon(folder: str, settings: dict[str, Any]) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
