@@ -303,18 +303,38 @@ def test_a_refused_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
         client.put(name, torch.ones(100))
     cache = DeviceCache(client, budget_bytes=MiB)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        # Injected: the prefetch request refused as a whole, which nothing a client does here
-        # causes for real (item faults only leave a tensor out; see the test below).
-        raise LeaseError("lease 7 is still held")
+    class Refused:
+        def result(self) -> Any:
+            # Injected: the prefetch request refused as a whole, which nothing a client does
+            # here causes for real (item faults only leave a tensor out; see get_resident).
+            raise LeaseError("lease 7 is still held")
 
-    monkeypatch.setattr(client, "get_resident", refuse)
+    monkeypatch.setattr(client, "send_get_resident", lambda *args, **kwargs: Refused())
     monkeypatch.setattr(client, "upcoming", lambda **kwargs: [("a", 400), ("b", 400)])
-    with cache.get("a") as t:
+    with cache.get("a") as t:  # sends the prefetch request
+        assert float(t.sum()) == 100.0
+    with cache.get("a") as t:  # takes its answer: refused
         assert float(t.sum()) == 100.0
     assert cache.stats.prefetch_errors == 1
     cache.clear()
     assert cache.cached() == {}  # nothing was left held
+
+
+def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES)
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with cache.get("layer0"):  # the replayed step's first get asks what comes next ...
+        pass
+    with cache.get("layer1"):  # ... and this one sends the prefetch of what follows
+        pass
+    assert cache._pending is not None
+    cache.clear()
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0
 
 
 def test_unmap_hooks_run_for_every_segment_when_the_client_closes(

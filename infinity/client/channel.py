@@ -111,7 +111,11 @@ class Channel:
         """As `call`, but a successful reply comes back as its packed results (`wire.split_reply`),
         for callers that keep what they made of identical replies; anything else decoded."""
         self.send(request_id, message, expect_reply=True, releases=releases)
-        return self._wait(request_id, what=message.OP, patient=False, packed=True)
+        return self.call_packed_reply(request_id, what=message.OP)
+
+    def call_packed_reply(self, request_id: int, *, what: str) -> wire.Reply | bytes:
+        """The reply to a request sent earlier with `send`, as `call_packed` returns it."""
+        return self._wait(request_id, what=what, patient=False, packed=True)
 
     def close(self, *, linger_ms: int = 0) -> None:
         """`linger_ms` lets a last no-reply message (bye) leave before the socket goes."""

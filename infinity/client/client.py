@@ -105,6 +105,30 @@ def _names(names: Names) -> list[str]:
     return list(names)
 
 
+class PendingResident:
+    """A `get_resident` request sent and not answered yet (`Client.send_get_resident`)."""
+
+    __slots__ = ("_client", "_channel", "_lease_id", "_names", "_done")
+
+    def __init__(self, client: Client, channel: Channel, lease_id: int, names: list[str]) -> None:
+        self._client = client
+        self._channel = channel
+        self._lease_id = lease_id
+        self._names = names
+        self._done = False
+
+    def result(self) -> tuple[Lease | None, list[str]]:
+        """Wait for the answer (once; again: an error): the lease, None when it holds
+        nothing, and the names it holds, in the order of its views."""
+        if self._done:
+            raise InvalidRequestError("this get_resident was answered already; its lease was "
+                                      "handed out by the first result()")
+        self._done = True
+        self._client._check_usable()
+        answer = self._channel.call_packed_reply(self._lease_id, what="get_ahead")
+        return self._client._resident_lease(self._lease_id, self._names, answer)
+
+
 class Lease:
     """Leased views; released on `release()` or when a `with` block ends.
 
@@ -318,12 +342,23 @@ class Client:
         be leased now (deleted, leased exclusively). Nor are these gets accesses for the
         daemon's scheduler: they do not enter the step's trace. Returns the lease, None when
         it holds nothing, and the names it holds, in the order of its views."""
+        return self.send_get_resident(names, namespace=namespace).result()
+
+    def send_get_resident(self, names: Sequence[str], *, namespace: str = "default"
+                          ) -> PendingResident:
+        """`get_resident`, sent now and answered later: `result()` on the returned object,
+        from this same thread, waits for the answer (the caller computes meanwhile). Until
+        `result()` is called, what the daemon leased for it stays held."""
         self._check_usable()
-        assert self._segments is not None
         channel = self._channel()
         lease_id = next(self._request_ids)
-        answer = channel.call_packed(lease_id, wire.GetAhead.for_names(namespace, names, False),
-                                     releases=self._take_releases())
+        channel.send(lease_id, wire.GetAhead.for_names(namespace, names, False),
+                     expect_reply=True, releases=self._take_releases())
+        return PendingResident(self, channel, lease_id, list(names))
+
+    def _resident_lease(self, lease_id: int, names: builtins.list[str],
+                        answer: wire.Reply | bytes) -> tuple[Lease | None, builtins.list[str]]:
+        assert self._segments is not None
         results = (wire.decode_results(answer) if type(answer) is bytes
                    else self._results(cast(wire.Reply, answer)))
         held = [i for i, result in enumerate(results)

@@ -8,8 +8,11 @@ copy is of that version, else copies the CPU-tier view over. After each get it
 brings what comes next into device memory: it asks the daemon what the client's
 trace reads next (`Client.upcoming`, once per window, not per get), leases those
 of them the CPU tier holds, without making them accesses and without waiting for
-loads from NVMe (`Client.get_resident`), and starts their copies, within the budget
-and without evicting anything needed sooner.
+loads from NVMe (`Client.send_get_resident`: sent at the end of a get, answered
+while the caller computes, taken at the start of the next get, so a get waits for
+one round trip, not two), and starts their copies, within the budget and without
+evicting anything needed sooner. `clear()` when done with a cache: until then the
+CPU-tier leases of its last copies and of its last prefetch request stay held.
 
 Copies go through a `DeviceCopier`, the small device-copy interface:
 `CudaCopier` copies on a side stream from pinned (registered) shared memory, and
@@ -39,7 +42,7 @@ from infinity.errors import (DaemonUnavailableError, ForkedClientError, Infinity
                              InvalidRequestError, ProtocolError, TierFullError, TooLargeError)
 
 if TYPE_CHECKING:
-    from infinity.client.client import Client, Lease
+    from infinity.client.client import Client, Lease, PendingResident
 
 
 _QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
@@ -298,6 +301,7 @@ class DeviceCache:
         self._window = _Window()
         self._quiet_gets = 0
         self._steps_seen = client.steps_begun
+        self._pending: tuple[PendingResident, int] | None = None  # prefetch sent, not yet used
         self.registration_failures: list[str] = []
         unpin = getattr(self.copier, "unpin", None)
         if unpin is not None:
@@ -309,6 +313,7 @@ class DeviceCache:
     def get(self, name: str) -> DeviceLease:
         """`name`'s current bytes in device memory; `with cache.get(name) as t:`."""
         self._reap()
+        self._collect_prefetch(use=True)
         lease = self.client.get(name, namespace=self.namespace)
         try:
             # After the get, which may have mapped new segments and unmapped retired ones: a
@@ -345,7 +350,9 @@ class DeviceCache:
         return DeviceLease(self, entry)
 
     def clear(self) -> None:
-        """Drop every cached tensor not held (their device memory goes back to torch)."""
+        """Drop every cached tensor not held (their device memory goes back to torch), and give
+        back the CPU-tier leases of copies that finished and of a prefetch not yet used."""
+        self._collect_prefetch(use=False)
         self._reap()
         for entry in list(self._entries.values()):
             if entry.holds == 0 and entry.ticket is None:
@@ -414,26 +421,52 @@ class DeviceCache:
         if not wanted:
             return
         try:
-            # Only what the CPU tier holds now: waiting here for a load from NVMe would stall
-            # the caller's compute. The rest is asked for again at the next get, by which time
-            # the daemon's own prefetch has usually brought it in.
-            lease, names = self.client.get_resident(wanted, namespace=self.namespace)
+            # Only what the CPU tier holds now: waiting for a load from NVMe would stall the
+            # caller's compute, and the rest is asked for again at the next get, by when the
+            # daemon's own prefetch has usually brought it in. Sent now, answered while the
+            # caller computes, and used at the start of the next get: no round trip waited for.
+            request = self.client.send_get_resident(wanted, namespace=self.namespace)
         except (DaemonUnavailableError, ProtocolError, ForkedClientError):
             raise  # the client itself is unusable: the caller must know
         except InfinityError:
-            # The request as a whole refused: prefetch is an optimisation, so the get that
-            # asked for it still succeeds; ask again later.
-            self.stats.prefetch_errors += 1
-            self._window = _Window()
-            self._quiet_gets = _QUIET_GETS
+            self._prefetch_refused()
             return
-        self.stats.prefetch_not_resident += len(wanted) - len(names)
+        self._pending = (request, len(wanted))
+
+    def _prefetch_refused(self) -> None:
+        # The request as a whole refused: prefetch is an optimisation, so the get that asked
+        # for it still succeeds; ask again later.
+        self.stats.prefetch_errors += 1
+        self._window = _Window()
+        self._quiet_gets = _QUIET_GETS
+
+    def _collect_prefetch(self, *, use: bool) -> None:
+        """Take the answer to the prefetch request sent by the last get, and start the copies
+        of what it leased that is still wanted (use=False: give it all back)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        request, num_wanted = pending
+        try:
+            lease, names = request.result()
+        except (DaemonUnavailableError, ProtocolError, ForkedClientError):
+            raise
+        except InfinityError:
+            self._prefetch_refused()
+            return
+        self.stats.prefetch_not_resident += num_wanted - len(names)
         if lease is None:
             return
-        held = 0
+        started: list[str] = []
         try:
-            self._register_segments()  # as in get: before any copy from what it mapped
+            if use:
+                self._register_segments()  # as in get: before any copy from what it mapped
+            window = self._window
             for name, view, revision in zip(names, lease.tensors, lease.revisions):
+                if not use:
+                    break
+                if name in self._entries:
+                    continue  # the get that was due meanwhile copied it
                 needed_in = window.next_use(name)
                 if needed_in is None or not self._room(view.numel() * view.element_size(),
                                                        before=needed_in, dry_run=False):
@@ -445,13 +478,13 @@ class DeviceCache:
                     break
                 entry.prefetched = True
                 self.stats.prefetched += 1
-                held += 1
+                started.append(name)
         finally:
             # One lease covers the batch: it goes back once every copy that reads it is done.
-            if held == 0:
+            if not started:
                 lease.release()
             else:
-                self._entries_sharing(lease, names[:held])
+                self._entries_sharing(lease, started)
 
     def _entries_sharing(self, lease: Lease, names: list[str]) -> None:
         shared = _SharedLease(lease, len(names))
