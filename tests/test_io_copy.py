@@ -5,6 +5,7 @@ import torch
 
 from infinity import _native
 from infinity.io import copy_into
+from infinity.io.buffers import FillThreads
 
 MiB = 1 << 20
 
@@ -36,3 +37,34 @@ def test_overlapping_buffers_are_refused() -> None:
 def test_large_copies_use_streaming_stores_where_the_cpu_has_them() -> None:
     expected = {"avx512": "avx512-stream", "avx2": "avx2-stream"}.get(_native.simd_level(), "memcpy")
     assert _native.copy_implementation() == expected
+
+
+def test_the_default_thread_count_copies_exactly_while_it_is_being_chosen() -> None:
+    src = torch.randint(0, 256, (33 * MiB + 5,), dtype=torch.uint8)
+    for _ in range(12):  # past the trials of both candidates
+        dst = torch.zeros_like(src)
+        copy_into(dst, src)
+        assert torch.equal(dst, src)
+
+
+def test_fill_threads_keeps_the_candidate_with_the_lower_median_time() -> None:
+    many = torch.get_num_threads()
+    if many < 2:
+        pytest.skip("torch runs one thread here: there is nothing to choose")
+    choice = FillThreads(trials=3)
+    # Durations given, not measured: which count is faster depends on the machine.
+    seconds = {1: [3.0, 2.5, 9.0], many: [4.0, 3.5, 3.2]}
+    tried: list[int] = []
+    while choice.chosen is None and len(tried) < 10:
+        n = choice.candidate(64 * MiB)
+        assert n is not None
+        tried.append(n)
+        choice.record(n, seconds[n][tried.count(n) - 1], 64 * MiB)
+    assert tried == [many, 1] * 3  # in turn, the many-thread count first
+    assert choice.chosen == 1  # median 3.0 against 3.5, whatever the outlier
+    assert choice.candidate(64 * MiB) == 1
+
+
+def test_small_copies_are_not_split_or_timed() -> None:
+    choice = FillThreads()
+    assert choice.candidate(16 * MiB - 1) is None

@@ -45,11 +45,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import infinity
 from bench_launch import start_daemon
 from infinity.config import InfinityConfig
+from infinity.io.buffers import fill_thread_count
 
 MiB = 1024 * 1024
 SPAWN = multiprocessing.get_context("spawn")
 BATCH = 32
 PUT_BYTES = 64 * MiB
+WARM_UP_PUTS = 12  # the 2 x 5 trials of the fill's thread count, and 2 more
 
 
 def _percentile(samples_ns: list[int], q: float) -> float:
@@ -224,16 +226,17 @@ def main(argv: list[str] | None = None) -> int:
                 rps[f"clients_{processes}"] = _requests_per_s(config, processes, args.seconds)
                 progress.advance(task)
 
-            task = progress.add_task("put 64 MiB vs copy_", total=args.put_repeats * 2 + 2)
+            task = progress.add_task("put 64 MiB vs copy_",
+                                     total=args.put_repeats * 2 + WARM_UP_PUTS)
             source = torch.randn(PUT_BYTES // 4)
             target = torch.empty_like(source)
             target.zero_()  # pre-touched, like the store's prefaulted segments
             target.copy_(source)
-            # Two puts first: the slices of the alternating versions and the spare exist.
-            client.put("bench.big", source)
-            progress.advance(task)
-            client.put("bench.big", source)
-            progress.advance(task)
+            # Puts first: the slices of the alternating versions and the spare exist, and the
+            # fill's thread count is chosen (copy_into measures 1 and torch's count in turn).
+            for _ in range(WARM_UP_PUTS):
+                client.put("bench.big", source)
+                progress.advance(task)
             copy_s, put_s, echo_after_copy_ns = [], [], []
             reserve_s, fill_s, commit_s = [], [], []
             reserves_before = client.stats()["counters"]["ops"].get("reserve", 0)
@@ -291,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                "paired_ratio_median": round(statistics.median(
                    c / p for c, p in zip(copy_s, put_s)), 3),
                "puts_that_reserved": puts_that_reserved,
+               "fill_threads": fill_thread_count(),
                "two_round_trips_ms": {"reserve": ms(reserve_s), "fill_copy": ms(fill_s),
                                       "commit": ms(commit_s)},
                "fill_ratio_to_copy": round(copy_med / statistics.median(fill_s), 3),
