@@ -8,6 +8,7 @@ with their index, so every device tensor is checked.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -309,7 +310,11 @@ def test_a_refused_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
             # here causes for real (item faults only leave a tensor out; see get_resident).
             raise LeaseError("lease 7 is still held")
 
-    monkeypatch.setattr(client, "send_get_resident", lambda *args, **kwargs: Refused())
+    class Requester:
+        def send(self, *args: Any, **kwargs: Any) -> Refused:
+            return Refused()
+
+    monkeypatch.setattr(client, "resident_requester", lambda: Requester())
     monkeypatch.setattr(client, "upcoming", lambda **kwargs: [("a", 400), ("b", 400)])
     with cache.get("a") as t:  # sends the prefetch request
         assert float(t.sum()) == 100.0
@@ -320,9 +325,8 @@ def test_a_refused_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
     assert cache.cached() == {}  # nothing was left held
 
 
-def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
-        roomy_nvme_daemon: RunningDaemon) -> None:
-    client = roomy_nvme_daemon.connect("trainer")
+def cache_with_a_prefetch_sent(client: Any) -> DeviceCache:
+    """A cache two steps into the layers, whose last get sent a prefetch request not yet used."""
     write_layers(client)
     cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES)
     for _ in range(2):
@@ -332,6 +336,60 @@ def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
     with cache.get("layer1"):  # ... and this one sends the prefetch of what follows
         pass
     assert cache._pending is not None
+    return cache
+
+
+def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    cache = cache_with_a_prefetch_sent(client)
+    cache.clear()
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_clear_after_the_client_closed_frees_the_device_memory(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    cache = cache_with_a_prefetch_sent(client)
+    client.close()
+    cache.clear()  # e.g. in a finally: the session took its leases with it
+    assert cache.cached() == {} and cache.stats.used_bytes == 0
+
+
+def test_a_cache_handed_to_another_thread_loses_no_reply_and_no_lease(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    # The first half of each step on this thread, the second on a worker, while this thread
+    # goes on with gets of its own (another namespace, so the cache's trace stays as it was).
+    # A prefetch request sent on this thread's socket and answered on the worker would race
+    # with this thread's own replies there.
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    client.put("mine", torch.ones(10), namespace="other")
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES)
+    half = NUM_LAYERS // 2
+    errors: list[BaseException] = []
+
+    def second_half() -> None:
+        try:
+            for i in range(half, NUM_LAYERS):
+                with cache.get(f"layer{i}") as t:
+                    assert t[0, 0].item() == i
+        except BaseException as exc:
+            errors.append(exc)
+
+    for _ in range(4):
+        with client.step():
+            for i in range(half):
+                with cache.get(f"layer{i}") as t:
+                    assert t[0, 0].item() == i
+            worker = threading.Thread(target=second_half)
+            worker.start()
+            while worker.is_alive():
+                with client.get("mine", namespace="other"):
+                    pass
+            assert not errors, errors
+    assert cache.stats.prefetched > 0
     cache.clear()
     client.flush()
     assert client.stats()["catalog"]["num_leases"] == 0

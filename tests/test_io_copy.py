@@ -68,3 +68,25 @@ def test_fill_threads_keeps_the_candidate_with_the_lower_median_time() -> None:
 def test_small_copies_are_not_split_or_timed() -> None:
     choice = FillThreads()
     assert choice.candidate(16 * MiB - 1) is None
+
+
+def test_fill_threads_settles_when_torchs_thread_count_changes_during_the_trials() -> None:
+    before = torch.get_num_threads()
+    choice = FillThreads(trials=2)
+    try:
+        torch.set_num_threads(2)
+        for i in range(20):
+            if choice.chosen is not None:
+                break
+            if i == 1:
+                torch.set_num_threads(3)  # not one of the candidates: its copies do not count
+            n = choice.candidate(64 * MiB)
+            assert n is not None
+            choice.record(n, 1.0 if n == 1 else 2.0, 64 * MiB)
+            torch.set_num_threads(2)
+        assert choice.chosen == 1
+        choice.chosen = 2
+        torch.set_num_threads(1)  # e.g. a forked worker: never more threads than torch's count
+        assert choice.candidate(64 * MiB) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -105,8 +105,31 @@ def _names(names: Names) -> list[str]:
     return list(names)
 
 
+class ResidentRequester:
+    """Sends `get_resident` requests and hands back their answers later (`send` returns a
+    PendingResident), so a caller computes while the daemon answers. For one user at a time,
+    on any thread: it has a socket of its own, because a request sent on a thread's own socket
+    could be answered only on that thread, and a socket read by two threads at once loses
+    replies. The socket closes with the client."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._channel: Channel | None = None
+
+    def send(self, names: Sequence[str], *, namespace: str = "default") -> PendingResident:
+        client = self._client
+        client._check_usable()
+        if self._channel is None:
+            self._channel = client._attached_channel()
+        lease_id = next(client._request_ids)
+        self._channel.send(lease_id, wire.GetAhead.for_names(namespace, names, False),
+                           expect_reply=True, releases=client._take_releases())
+        return PendingResident(client, self._channel, lease_id, list(names))
+
+
 class PendingResident:
-    """A `get_resident` request sent and not answered yet (`Client.send_get_resident`)."""
+    """A `get_resident` request sent and not answered yet: until `result()` is called, what the
+    daemon leased for it stays held (until the client closes)."""
 
     __slots__ = ("_client", "_channel", "_lease_id", "_names", "_done")
 
@@ -257,10 +280,13 @@ class Client:
     def _channel(self) -> Channel:
         channel: Channel | None = getattr(self._local, "channel", None)
         if channel is None:
-            channel = self._new_channel()
-            reply = channel.call(next(self._request_ids), wire.Attach(self._token))
-            self._results(reply)
-            self._local.channel = channel
+            channel = self._local.channel = self._attached_channel()
+        return channel
+
+    def _attached_channel(self) -> Channel:
+        """A new socket, attached to this client's session."""
+        channel = self._new_channel()
+        self._results(channel.call(next(self._request_ids), wire.Attach(self._token)))
         return channel
 
     def _call(self, message: wire.Request, *, patient: bool = False) -> tuple[Any, ...]:
@@ -341,20 +367,19 @@ class Client:
         daemon's trace-driven prefetch brings it in when it is due), and so is one that cannot
         be leased now (deleted, leased exclusively). Nor are these gets accesses for the
         daemon's scheduler: they do not enter the step's trace. Returns the lease, None when
-        it holds nothing, and the names it holds, in the order of its views."""
-        return self.send_get_resident(names, namespace=namespace).result()
-
-    def send_get_resident(self, names: Sequence[str], *, namespace: str = "default"
-                          ) -> PendingResident:
-        """`get_resident`, sent now and answered later: `result()` on the returned object,
-        from this same thread, waits for the answer (the caller computes meanwhile). Until
-        `result()` is called, what the daemon leased for it stays held."""
+        it holds nothing, and the names it holds, in the order of its views.
+        `resident_requester()` sends such requests to be answered later."""
         self._check_usable()
         channel = self._channel()
         lease_id = next(self._request_ids)
         channel.send(lease_id, wire.GetAhead.for_names(namespace, names, False),
                      expect_reply=True, releases=self._take_releases())
-        return PendingResident(self, channel, lease_id, list(names))
+        return PendingResident(self, channel, lease_id, list(names)).result()
+
+    def resident_requester(self) -> ResidentRequester:
+        """Something that sends `get_resident` requests now and takes their answers later, on
+        a socket of its own (see ResidentRequester)."""
+        return ResidentRequester(self)
 
     def _resident_lease(self, lease_id: int, names: builtins.list[str],
                         answer: wire.Reply | bytes) -> tuple[Lease | None, builtins.list[str]]:

@@ -8,9 +8,9 @@ copy is of that version, else copies the CPU-tier view over. After each get it
 brings what comes next into device memory: it asks the daemon what the client's
 trace reads next (`Client.upcoming`, once per window, not per get), leases those
 of them the CPU tier holds, without making them accesses and without waiting for
-loads from NVMe (`Client.send_get_resident`: sent at the end of a get, answered
-while the caller computes, taken at the start of the next get, so a get waits for
-one round trip, not two), and starts their copies, within the budget and without
+loads from NVMe (`Client.resident_requester`: sent at the end of a get, answered
+while the caller computes, taken by the next get once it has its own tensor, so a
+get waits for one round trip, not two), and starts their copies, within the budget and without
 evicting anything needed sooner. `clear()` when done with a cache: until then the
 CPU-tier leases of its last copies and of its last prefetch request stay held.
 
@@ -42,7 +42,7 @@ from infinity.errors import (DaemonUnavailableError, ForkedClientError, Infinity
                              InvalidRequestError, ProtocolError, TierFullError, TooLargeError)
 
 if TYPE_CHECKING:
-    from infinity.client.client import Client, Lease, PendingResident
+    from infinity.client.client import Client, Lease, PendingResident, ResidentRequester
 
 
 _QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
@@ -57,12 +57,17 @@ def _cuda_runtime() -> ctypes.CDLL | None:
     """The CUDA runtime library that torch loaded into this process; None if there is none
     to be found (linked statically)."""
     with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart"):
-                runtime = ctypes.CDLL(fields[5].strip())
-                runtime.cudaGetLastError.restype = ctypes.c_int
-                return runtime
+        paths = {fields[5].strip() for fields in (line.split(None, 5) for line in maps)
+                 if len(fields) == 6}
+    for path in sorted(paths):
+        if not os.path.basename(path).startswith("libcudart") or path.endswith("(deleted)"):
+            continue
+        try:
+            runtime = ctypes.CDLL(path)
+            runtime.cudaGetLastError.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            continue
+        return runtime
     return None
 
 
@@ -301,7 +306,8 @@ class DeviceCache:
         self._window = _Window()
         self._quiet_gets = 0
         self._steps_seen = client.steps_begun
-        self._pending: tuple[PendingResident, int] | None = None  # prefetch sent, not yet used
+        self._requester: ResidentRequester | None = None
+        self._pending: tuple[PendingResident, list[str]] | None = None  # sent, not yet used
         self.registration_failures: list[str] = []
         unpin = getattr(self.copier, "unpin", None)
         if unpin is not None:
@@ -313,7 +319,10 @@ class DeviceCache:
     def get(self, name: str) -> DeviceLease:
         """`name`'s current bytes in device memory; `with cache.get(name) as t:`."""
         self._reap()
-        self._collect_prefetch(use=True)
+        if self._pending is not None and name in self._pending[1]:
+            # Its copy was asked for: the answer first, so that copy starts as the prefetch
+            # planned it (the nearest name, first in the queue) instead of as a miss.
+            self._collect_prefetch(use=True)
         lease = self.client.get(name, namespace=self.namespace)
         try:
             # After the get, which may have mapped new segments and unmapped retired ones: a
@@ -340,6 +349,9 @@ class DeviceCache:
         entry.holds += 1
         entry.last_use = next(self._uses)
         try:
+            # Otherwise the last get's prefetch answer is taken now: after this get's own copy
+            # (which must not queue behind copies for later), and with its tensor held.
+            self._collect_prefetch(use=True)
             self.copier.ready(entry.tensor, entry.ticket)
             self._advance(name)
             if self.prefetch_enabled:
@@ -352,11 +364,13 @@ class DeviceCache:
     def clear(self) -> None:
         """Drop every cached tensor not held (their device memory goes back to torch), and give
         back the CPU-tier leases of copies that finished and of a prefetch not yet used."""
-        self._collect_prefetch(use=False)
-        self._reap()
-        for entry in list(self._entries.values()):
-            if entry.holds == 0 and entry.ticket is None:
-                self._drop(entry)
+        try:
+            self._collect_prefetch(use=False)
+        finally:
+            self._reap()
+            for entry in list(self._entries.values()):
+                if entry.holds == 0 and entry.ticket is None:
+                    self._drop(entry)
 
     def cached(self) -> dict[str, int]:
         """name -> version of what is in device memory now."""
@@ -425,13 +439,15 @@ class DeviceCache:
             # caller's compute, and the rest is asked for again at the next get, by when the
             # daemon's own prefetch has usually brought it in. Sent now, answered while the
             # caller computes, and used at the start of the next get: no round trip waited for.
-            request = self.client.send_get_resident(wanted, namespace=self.namespace)
+            if self._requester is None:
+                self._requester = self.client.resident_requester()
+            request = self._requester.send(wanted, namespace=self.namespace)
         except (DaemonUnavailableError, ProtocolError, ForkedClientError):
             raise  # the client itself is unusable: the caller must know
         except InfinityError:
             self._prefetch_refused()
             return
-        self._pending = (request, len(wanted))
+        self._pending = (request, wanted)
 
     def _prefetch_refused(self) -> None:
         # The request as a whole refused: prefetch is an optimisation, so the get that asked
@@ -446,15 +462,19 @@ class DeviceCache:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        request, num_wanted = pending
+        request, wanted = pending
         try:
             lease, names = request.result()
-        except (DaemonUnavailableError, ProtocolError, ForkedClientError):
+        except (DaemonUnavailableError, ForkedClientError):
+            if use:
+                raise
+            return  # giving back: a session that is gone took its leases with it
+        except ProtocolError:
             raise
         except InfinityError:
             self._prefetch_refused()
             return
-        self.stats.prefetch_not_resident += num_wanted - len(names)
+        self.stats.prefetch_not_resident += len(wanted) - len(names)
         if lease is None:
             return
         started: list[str] = []

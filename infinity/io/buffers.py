@@ -80,34 +80,43 @@ class FillThreads:
     One thread cannot saturate the memory of a many-core machine (on a 16-core one, 64 MiB took
     5.7 ms on one thread against 1.6 ms on four), yet on a 2-vCPU VM two threads streaming at
     once were slower than one (3.3 ms against 2.7). So the first large copies alternate between
-    one thread and torch's intra-op thread count (the parallelism `copy_` would use), `trials`
-    of each, and the one with the lower median time per byte is kept from then on."""
+    one thread and torch's intra-op thread count at that time (the parallelism `copy_` would
+    use), `trials` of each, and the one with the lower median time per byte is kept from then
+    on; never more than torch's count at the time of a copy (a forked worker that torch runs on
+    one thread copies on one). Only copies that give each thread of the candidate at least
+    4 MiB are trials, so both candidates are timed doing what they will do."""
 
     def __init__(self, *, trials: int = 5) -> None:
         self.trials = trials
         self.chosen: int | None = None
         self._lock = threading.Lock()
+        self._many = 0  # torch's count when the trials began
         self._times: dict[int, list[float]] = {}
 
     def candidate(self, nbytes: int) -> int | None:
         """The thread count to try or use for a copy of `nbytes`; None: too small to split."""
         if nbytes < _SPLIT_MIN_BYTES:
             return None
+        now = torch.get_num_threads()
         with self._lock:
             if self.chosen is None:
-                many = torch.get_num_threads()
-                if many <= 1:
+                if not self._many:
+                    self._many = now
+                if self._many <= 1:
                     self.chosen = 1
-                    return 1
-                tried = {n: len(self._times.get(n, ())) for n in (1, many)}
-                return min(tried, key=lambda n: (tried[n], -n))  # the less tried; many first
-            return self.chosen
+                else:
+                    tried = {n: len(self._times.get(n, ())) for n in (1, self._many)}
+                    pick = min(tried, key=lambda n: (tried[n], -n))  # the less tried; many first
+                    return min(pick, now)
+            return min(self.chosen, now)
 
     def record(self, threads: int, seconds: float, nbytes: int) -> None:
-        """A copy of `nbytes` took `seconds` on the candidate `threads`."""
+        """A copy of `nbytes` took `seconds` on `threads` threads."""
         with self._lock:
-            if self.chosen is not None:
-                return
+            if self.chosen is not None or threads not in (1, self._many):
+                return  # chosen already, or torch's count changed: not one of the candidates
+            if nbytes < threads * _MIN_BYTES_PER_THREAD:
+                return  # fewer threads than the candidate ran: not a fair trial
             self._times.setdefault(threads, []).append(seconds / nbytes)
             if len(self._times) == 2 and all(len(t) >= self.trials for t in self._times.values()):
                 self.chosen = min(self._times, key=lambda n: statistics.median(self._times[n]))
@@ -145,4 +154,4 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None =
     threads = min(candidate, max(1, nbytes // _MIN_BYTES_PER_THREAD))
     start = time.perf_counter()
     native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
-    _fill_threads.record(candidate, time.perf_counter() - start, nbytes)
+    _fill_threads.record(threads, time.perf_counter() - start, nbytes)
