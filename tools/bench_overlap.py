@@ -71,7 +71,8 @@ def consume(layer: torch.Tensor, x: torch.Tensor, i: int) -> None:
 
 def time_multiply(rows: int, layer: torch.Tensor, repeats: int = 5) -> float:
     x = torch.ones(rows, ROWS, device=layer.device)
-    consume(layer, x, 0)  # the first call may pick a kernel (cuBLAS does)
+    if layer.is_cuda:
+        consume(layer, x, 0)  # the first call picks a kernel (cuBLAS)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
