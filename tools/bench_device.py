@@ -43,7 +43,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import infinity
 from bench_launch import start_daemon, store_daemon_settings
-from bench_overlap import ROWS, consume, layer_value, rows_for, step_targets, summarize, time_multiply
+from bench_overlap import (ROWS, consume, layer_value, rows_for, step_targets, summarize,
+                           time_multiply)
 from bench_store import RawEngine, _bytes
 from infinity.client.device import CudaCopier, DeviceCache
 from infinity.config import InfinityConfig, MiB

@@ -10,9 +10,10 @@ trace reads next (`Client.upcoming`, once per window, not per get), leases those
 of them the CPU tier holds, without making them accesses and without waiting for
 loads from NVMe (`Client.resident_requester`: sent at the end of a get, answered
 while the caller computes, taken by the next get once it has its own tensor, so a
-get waits for one round trip, not two), and starts their copies, within the budget and without
-evicting anything needed sooner. `clear()` when done with a cache: until then the
-CPU-tier leases of its last copies and of its last prefetch request stay held.
+get waits for one round trip, not two), and starts their copies, within the
+budget and without evicting anything needed sooner. `clear()` when done with a
+cache: until then the CPU-tier leases of its last copies and of its last
+prefetch request stay held.
 
 Copies go through a `DeviceCopier`, the small device-copy interface:
 `CudaCopier` copies on a side stream from pinned (registered) shared memory, and
@@ -438,7 +439,7 @@ class DeviceCache:
             # Only what the CPU tier holds now: waiting for a load from NVMe would stall the
             # caller's compute, and the rest is asked for again at the next get, by when the
             # daemon's own prefetch has usually brought it in. Sent now, answered while the
-            # caller computes, and used at the start of the next get: no round trip waited for.
+            # caller computes, and used by the next get: no round trip waited for.
             if self._requester is None:
                 self._requester = self.client.resident_requester()
             request = self._requester.send(wanted, namespace=self.namespace)
@@ -477,14 +478,14 @@ class DeviceCache:
         self.stats.prefetch_not_resident += len(wanted) - len(names)
         if lease is None:
             return
+        if not use:
+            lease.release()
+            return
         started: list[str] = []
         try:
-            if use:
-                self._register_segments()  # as in get: before any copy from what it mapped
+            self._register_segments()  # as in get: before any copy from what it mapped
             window = self._window
             for name, view, revision in zip(names, lease.tensors, lease.revisions):
-                if not use:
-                    break
                 if name in self._entries:
                     continue  # the get that was due meanwhile copied it
                 needed_in = window.next_use(name)
