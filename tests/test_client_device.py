@@ -128,6 +128,22 @@ def test_a_get_that_must_copy_waits_for_a_copy_under_way_rather_than_refusing(
     assert client.stats()["catalog"]["num_leases"] == 0  # the CPU-tier sources went back
 
 
+def test_closing_a_cache_waits_for_its_copies_and_gives_back_every_cpu_tier_lease(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    copier = UnfinishedCopier()
+    with DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier) as cache:
+        for _ in range(3):
+            device_step(client, cache, list(range(NUM_LAYERS)))
+        held = cache.get("layer5")
+    client.flush()
+    # Only the DeviceLease still held keeps its device copy; no CPU-tier lease is left.
+    assert client.stats()["catalog"]["num_leases"] == 0 and copier.waited
+    assert set(cache.cached()) == {"layer5"}
+    held.release()
+
+
 def test_a_held_tensor_is_never_evicted_and_a_full_budget_is_a_typed_error(
         nvme_daemon: RunningDaemon) -> None:
     client = nvme_daemon.connect("trainer")

@@ -79,7 +79,7 @@ def timed_store_copy(client: Any, name: str, repeats: int) -> float:
         with cache.get(name):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    cache.clear()
+    cache.close()
     return statistics.median(times[1:])
 
 
@@ -95,7 +95,7 @@ def timed_hit(client: Any, name: str, repeats: int) -> float:
         with cache.get(name):
             pass
         times.append(time.perf_counter() - start)
-    cache.clear()
+    cache.close()
     return statistics.median(times)
 
 
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         progress.advance(task)
                     result[regime] = entry
                 rounds.append(result)
-            for client, _ in runners.values():
+            for client, cache in runners.values():
+                cache.close()
                 client.close()
     finally:
         for process, _ in daemons.values():

@@ -11,9 +11,9 @@ of them the CPU tier holds, without making them accesses and without waiting for
 loads from NVMe (`Client.resident_requester`: sent at the end of a get, answered
 while the caller computes, taken by the next get once it has its own tensor, so a
 get waits for one round trip, not two), and starts their copies, within the
-budget and without evicting anything needed sooner. `clear()` when done with a
-cache: until then the CPU-tier leases of its last copies and of its last
-prefetch request stay held.
+budget and without evicting anything needed sooner. `close()` a cache when done
+with it (or use it in a `with` block): until then the CPU-tier leases of its last
+copies and of its last prefetch request stay held.
 
 Copies go through a `DeviceCopier`, the small device-copy interface:
 `CudaCopier` copies on a side stream from pinned (registered) shared memory, and
@@ -361,6 +361,21 @@ class DeviceCache:
             self._released(entry)
             raise
         return DeviceLease(self, entry)
+
+    def __enter__(self) -> DeviceCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Done with the cache (also the end of `with DeviceCache(...) as cache:`): wait for the
+        copies under way, then `clear()`, so that every CPU-tier lease it holds goes back. What
+        DeviceLeases still hold stays in device memory until released."""
+        for entry in [*self._entries.values(), *self._orphans]:
+            if entry.ticket is not None:
+                self.copier.synchronize(entry.ticket)
+        self.clear()
 
     def clear(self) -> None:
         """Drop every cached tensor not held (their device memory goes back to torch), and give
