@@ -5,7 +5,7 @@ import torch
 
 from infinity import _native
 from infinity.io import copy_into
-from infinity.io.buffers import FillThreads
+from infinity.io.buffers import FillMethod
 
 MiB = 1 << 20
 
@@ -47,46 +47,53 @@ def test_the_default_thread_count_copies_exactly_while_it_is_being_chosen() -> N
         assert torch.equal(dst, src)
 
 
-def test_fill_threads_keeps_the_candidate_with_the_lower_median_time() -> None:
-    many = torch.get_num_threads()
-    if many < 2:
-        pytest.skip("torch runs one thread here: there is nothing to choose")
-    choice = FillThreads(trials=3)
-    # Durations given, not measured: which count is faster depends on the machine.
-    seconds = {1: [3.0, 2.5, 9.0], many: [4.0, 3.5, 3.2]}
-    tried: list[int] = []
-    while choice.chosen is None and len(tried) < 10:
-        n = choice.candidate(64 * MiB)
-        assert n is not None
-        tried.append(n)
-        choice.record(n, seconds[n][tried.count(n) - 1], 64 * MiB)
-    assert tried == [many, 1] * 3  # in turn, the many-thread count first
-    assert choice.chosen == 1  # median 3.0 against 3.5, whatever the outlier
-    assert choice.candidate(64 * MiB) == 1
+def test_fill_method_keeps_the_one_with_the_lowest_median_time() -> None:
+    before = torch.get_num_threads()
+    choice = FillMethod(trials=3)
+    # Durations given, not measured: which method is fastest depends on the machine.
+    seconds = {"split": [4.0, 3.5, 3.2], "stream": [3.0, 2.5, 9.0], "copy_": [3.1, 3.1, 3.1]}
+    tried: list[str] = []
+    try:
+        torch.set_num_threads(2)
+        while choice.method is None and len(tried) < 20:
+            method, threads, trial = choice.method_for(64 * MiB)
+            assert trial and threads == (2 if method == "split" else 1)
+            tried.append(method)
+            choice.record(method, seconds[method][tried.count(method) - 1], 64 * MiB)
+        assert tried == ["split", "stream", "copy_"] * 3  # in turn
+        assert choice.method == "stream"  # median 3.0 against 3.1 and 3.5, whatever the outlier
+        assert choice.method_for(64 * MiB) == ("stream", 1, False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fill_method_settles_when_torchs_thread_count_changes_during_the_trials() -> None:
+    before = torch.get_num_threads()
+    choice = FillMethod(trials=1)
+    try:
+        for count in (2, 3, 1, 4, 2):
+            torch.set_num_threads(count)
+            method, threads, trial = choice.method_for(64 * MiB)
+            if trial:
+                choice.record(method, {"split": 1.0, "stream": 2.0, "copy_": 3.0}[method], 64 * MiB)
+        assert choice.method == "split"
+        assert choice.method_for(64 * MiB) == ("split", 2, False)
+        torch.set_num_threads(1)  # e.g. a forked worker: never more threads than torch's count
+        assert choice.method_for(64 * MiB) == ("stream", 1, False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_split_gives_each_thread_at_least_4_MiB() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        choice = FillMethod()
+        choice.method = "split"
+        assert choice.method_for(32 * MiB) == ("split", 8, False)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_small_copies_are_not_split_or_timed() -> None:
-    choice = FillThreads()
-    assert choice.candidate(16 * MiB - 1) is None
-
-
-def test_fill_threads_settles_when_torchs_thread_count_changes_during_the_trials() -> None:
-    before = torch.get_num_threads()
-    choice = FillThreads(trials=2)
-    try:
-        torch.set_num_threads(2)
-        for i in range(20):
-            if choice.chosen is not None:
-                break
-            if i == 1:
-                torch.set_num_threads(3)  # not one of the candidates: its copies do not count
-            n = choice.candidate(64 * MiB)
-            assert n is not None
-            choice.record(n, 1.0 if n == 1 else 2.0, 64 * MiB)
-            torch.set_num_threads(2)
-        assert choice.chosen == 1
-        choice.chosen = 2
-        torch.set_num_threads(1)  # e.g. a forked worker: never more threads than torch's count
-        assert choice.candidate(64 * MiB) == 1
-    finally:
-        torch.set_num_threads(before)
+    assert FillMethod().method_for(16 * MiB - 1) == ("stream", 1, False)

@@ -45,13 +45,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import infinity
 from bench_launch import start_daemon
 from infinity.config import InfinityConfig
-from infinity.io.buffers import fill_thread_count
+from infinity.io.buffers import fill_method
 
 MiB = 1024 * 1024
 SPAWN = multiprocessing.get_context("spawn")
 BATCH = 32
 PUT_BYTES = 64 * MiB
-WARM_UP_PUTS = 12  # the 2 x 5 trials of the fill's thread count, and 2 more
+WARM_UP_PUTS = 17  # the 3 x 5 trials of the fill's method, and 2 more
 
 
 def _percentile(samples_ns: list[int], q: float) -> float:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             target.zero_()  # pre-touched, like the store's prefaulted segments
             target.copy_(source)
             # Puts first: the slices of the alternating versions and the spare exist, and the
-            # fill's thread count is chosen (copy_into measures 1 and torch's count in turn).
+            # fill's method is chosen (copy_into times copy_ and its streaming copies in turn).
             for _ in range(WARM_UP_PUTS):
                 client.put("bench.big", source)
                 progress.advance(task)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                "paired_ratio_median": round(statistics.median(
                    c / p for c, p in zip(copy_s, put_s)), 3),
                "puts_that_reserved": puts_that_reserved,
-               "fill_threads": fill_thread_count(),
+               "fill_method": fill_method(),
                "two_round_trips_ms": {"reserve": ms(reserve_s), "fill_copy": ms(fill_s),
                                       "commit": ms(commit_s)},
                "fill_ratio_to_copy": round(copy_med / statistics.median(fill_s), 3),

@@ -4,7 +4,7 @@
 zero-filled, page-aligned native buffer viewed by a tensor that keeps it
 alive. Its capacity is rounded up to 4096 bytes and the padding is zero,
 so a direct op may always transfer the rounded size. `copy_into` fills
-shared slices (put), on as many threads as measured best here (`FillThreads`).
+shared slices (put), by the method measured best here (`FillMethod`).
 """
 
 from __future__ import annotations
@@ -74,60 +74,61 @@ _SPLIT_MIN_BYTES = 16 << 20  # the native copy splits copies of this size and mo
 _MIN_BYTES_PER_THREAD = 4 << 20
 
 
-class FillThreads:
-    """How many threads the large copies of `copy_into` use in this process, by measurement.
+class FillMethod:
+    """How the large copies of `copy_into` run in this process, chosen by measurement.
 
-    One thread cannot saturate the memory of a many-core machine (on a 16-core one, 64 MiB took
-    5.7 ms on one thread against 1.6 ms on four), yet on a 2-vCPU VM two threads streaming at
-    once were slower than one (3.3 ms against 2.7). So the first large copies alternate between
-    one thread and torch's intra-op thread count at that time (the parallelism `copy_` would
-    use), `trials` of each, and the one with the lower median time per byte is kept from then
-    on; never more than torch's count at the time of a copy (a forked worker that torch runs on
-    one thread copies on one). Only copies that give each thread of the candidate at least
-    4 MiB are trials, so both candidates are timed doing what they will do."""
+    Which copy fills a shared slice fastest depends on the machine, and on this project's VM on
+    the memory a process happens to get: on a 16-core machine the streaming copy split over 4
+    threads filled 64 MiB in 1.6 ms, against 5.7 on one thread and 3.0 for `copy_` on torch's 4
+    threads; on the 2-vCPU VM one streaming thread took 2.7 ms against 3.3 for `copy_` in some
+    processes, and 3.1 against 2.0 in others. So the first large copies try in turn `copy_`,
+    the streaming copy on one thread, and (where torch runs several) the streaming copy split
+    over torch's intra-op thread count, at least 4 MiB each, `trials` of each, and the method
+    with the lowest median time per byte is kept from then on. A split never uses more threads
+    than torch's count at the time of the copy (a forked worker that torch runs on one thread
+    copies on one)."""
 
     def __init__(self, *, trials: int = 5) -> None:
         self.trials = trials
-        self.chosen: int | None = None
+        self.method: str | None = None  # "copy_" | "stream" | "split", once chosen
         self._lock = threading.Lock()
-        self._many = 0  # torch's count when the trials began
-        self._times: dict[int, list[float]] = {}
+        self._methods: tuple[str, ...] = ()  # the ones tried, fixed at the first trial
+        self._times: dict[str, list[float]] = {}
 
-    def candidate(self, nbytes: int) -> int | None:
-        """The thread count to try or use for a copy of `nbytes`; None: too small to split."""
+    def method_for(self, nbytes: int) -> tuple[str, int, bool]:
+        """(method, threads, whether this copy is a trial) for a copy of `nbytes`."""
+        most = min(torch.get_num_threads(), nbytes // _MIN_BYTES_PER_THREAD)
         if nbytes < _SPLIT_MIN_BYTES:
-            return None
-        now = torch.get_num_threads()
+            return "stream", 1, False
         with self._lock:
-            if self.chosen is None:
-                if not self._many:
-                    self._many = now
-                if self._many <= 1:
-                    self.chosen = 1
-                else:
-                    tried = {n: len(self._times.get(n, ())) for n in (1, self._many)}
-                    pick = min(tried, key=lambda n: (tried[n], -n))  # the less tried; many first
-                    return min(pick, now)
-            return min(self.chosen, now)
+            if self.method is not None:
+                method, trial = self.method, False
+            else:
+                if not self._methods:
+                    self._methods = ("split",) * (most > 1) + ("stream", "copy_")
+                    self._times = {m: [] for m in self._methods}
+                method, trial = min(self._methods, key=lambda m: len(self._times[m])), True
+        if method == "split" and most <= 1:
+            return "stream", 1, False  # torch runs one thread now: not a trial of the split
+        return method, (most if method == "split" else 1), trial
 
-    def record(self, threads: int, seconds: float, nbytes: int) -> None:
-        """A copy of `nbytes` took `seconds` on `threads` threads."""
+    def record(self, method: str, seconds: float, nbytes: int) -> None:
+        """A trial copy of `nbytes` by `method` took `seconds`."""
         with self._lock:
-            if self.chosen is not None or threads not in (1, self._many):
-                return  # chosen already, or torch's count changed: not one of the candidates
-            if nbytes < threads * _MIN_BYTES_PER_THREAD:
-                return  # fewer threads than the candidate ran: not a fair trial
-            self._times.setdefault(threads, []).append(seconds / nbytes)
-            if len(self._times) == 2 and all(len(t) >= self.trials for t in self._times.values()):
-                self.chosen = min(self._times, key=lambda n: statistics.median(self._times[n]))
+            if self.method is not None:
+                return
+            self._times[method].append(seconds / nbytes)
+            if all(len(times) >= self.trials for times in self._times.values()):
+                self.method = min(self._times, key=lambda m: statistics.median(self._times[m]))
 
 
-_fill_threads = FillThreads()
+_fill = FillMethod()
 
 
-def fill_thread_count() -> int | None:
-    """The thread count large `copy_into` copies use in this process; None until chosen."""
-    return _fill_threads.chosen
+def fill_method() -> str | None:
+    """How large `copy_into` copies run in this process ("copy_", "stream" or "split"); None
+    until the trials have chosen."""
+    return _fill.method
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None = None) -> None:
@@ -136,8 +137,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None =
     Meant for filling memory that another process reads (a shared-memory slice
     being `put`): large copies skip loading the destination into the cache.
     Anything else (other dtypes, strides, devices) falls back to `copy_`.
-    `num_threads` defaults to what `FillThreads` measured best in this process,
-    with at least 4 MiB for each thread.
+    Without `num_threads`, large copies run as `FillMethod` measured best in this process
+    (which may be `copy_` itself).
     """
     if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype
             or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
@@ -147,11 +148,11 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None =
     if num_threads is not None:
         native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, num_threads)
         return
-    candidate = _fill_threads.candidate(nbytes)
-    if candidate is None:
-        native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, 1)
-        return
-    threads = min(candidate, max(1, nbytes // _MIN_BYTES_PER_THREAD))
-    start = time.perf_counter()
-    native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
-    _fill_threads.record(threads, time.perf_counter() - start, nbytes)
+    method, threads, trial = _fill.method_for(nbytes)
+    start = time.perf_counter() if trial else 0.0
+    if method == "copy_":
+        dst.copy_(src)
+    else:
+        native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
+    if trial:
+        _fill.record(method, time.perf_counter() - start, nbytes)
