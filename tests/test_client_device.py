@@ -386,19 +386,20 @@ def test_a_cache_handed_to_another_thread_loses_no_reply_and_no_lease(
     half = NUM_LAYERS // 2
     errors: list[BaseException] = []
 
+    def read(layers: range) -> None:
+        for i in layers:
+            with cache.get(f"layer{i}") as t:
+                assert t[0, 0].item() == i
+
     def second_half() -> None:
         try:
-            for i in range(half, NUM_LAYERS):
-                with cache.get(f"layer{i}") as t:
-                    assert t[0, 0].item() == i
+            read(range(half, NUM_LAYERS))
         except BaseException as exc:
             errors.append(exc)
 
     for _ in range(4):
         with client.step():
-            for i in range(half):
-                with cache.get(f"layer{i}") as t:
-                    assert t[0, 0].item() == i
+            read(range(half))
             worker = threading.Thread(target=second_half)
             worker.start()
             while worker.is_alive():
