@@ -1,5 +1,7 @@
 """copy_into: the streaming copy used to fill shared slices."""
 
+import threading
+
 import pytest
 import torch
 
@@ -103,3 +105,49 @@ def test_a_split_gives_each_thread_at_least_4_MiB() -> None:
 
 def test_small_copies_are_not_split_or_timed() -> None:
     assert FillMethod().method_for(16 * MiB - 1) == ("stream", 1, False)
+
+
+def test_a_large_copy_beside_another_streams_on_one_thread_untimed() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        choice = FillMethod()
+        choice.method = "split"
+        assert choice.begin(64 * MiB) == ("split", 4, False)
+        # A second put's fill while the first runs: 4 + 4 threads would crowd 4.
+        assert choice.begin(64 * MiB) == ("stream", 1, False)
+        choice.end(64 * MiB)
+        choice.end(64 * MiB)
+        assert choice.method_for(64 * MiB) == ("split", 4, False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_copy_beside_another_is_not_a_trial_of_the_method() -> None:
+    choice = FillMethod(trials=1)
+    first = choice.begin(64 * MiB)
+    assert first[2]  # the first large copy is a trial
+    assert choice.begin(64 * MiB) == ("stream", 1, False)  # the crowd is not measured
+    choice.end(64 * MiB)
+    choice.end(64 * MiB)
+
+
+def test_copies_from_several_threads_at_once_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    choice = FillMethod(trials=1)
+    monkeypatch.setattr(buffers, "_fill", choice)
+    sources = [torch.randint(0, 256, (17 * MiB + 3 * i,), dtype=torch.uint8) for i in range(4)]
+    targets = [torch.zeros_like(s) for s in sources]
+    barrier = threading.Barrier(len(sources))
+
+    def fill(i: int) -> None:
+        barrier.wait()
+        for _ in range(3):
+            copy_into(targets[i], sources[i])
+
+    threads = [threading.Thread(target=fill, args=(i,)) for i in range(len(sources))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+    assert choice._running == 0

@@ -86,7 +86,9 @@ class FillMethod:
     over torch's intra-op thread count, at least 4 MiB each, `trials` of each, and the method
     with the lowest median time per byte is kept from then on. A split never uses more threads
     than torch's count at the time of the copy (a forked worker that torch runs on one thread
-    copies on one)."""
+    copies on one), and a large copy that starts while another runs (several threads putting
+    at once) streams on one thread: the threads those copies ask for together would otherwise
+    be more than there are, and a trial timed then would measure the crowd, not the method."""
 
     def __init__(self, *, trials: int = 5) -> None:
         self.trials = trials
@@ -94,6 +96,7 @@ class FillMethod:
         self._lock = threading.Lock()
         self._methods: tuple[str, ...] = ()  # the ones tried, fixed at the first trial
         self._times: dict[str, list[float]] = {}
+        self._running = 0  # large copies between `begin` and `end`
 
     def method_for(self, nbytes: int) -> tuple[str, int, bool]:
         """(method, threads, whether this copy is a trial) for a copy of `nbytes`."""
@@ -101,6 +104,8 @@ class FillMethod:
         if nbytes < _SPLIT_MIN_BYTES:
             return "stream", 1, False
         with self._lock:
+            if self._running:
+                return "stream", 1, False
             if self.method is not None:
                 method, trial = self.method, False
             else:
@@ -111,6 +116,20 @@ class FillMethod:
         if method == "split" and most <= 1:
             return "stream", 1, False  # torch runs one thread now: not a trial of the split
         return method, (most if method == "split" else 1), trial
+
+    def begin(self, nbytes: int) -> tuple[str, int, bool]:
+        """`method_for`, and the copy counts as running until `end(nbytes)`."""
+        method = self.method_for(nbytes)
+        if nbytes >= _SPLIT_MIN_BYTES:
+            with self._lock:
+                self._running += 1
+        return method
+
+    def end(self, nbytes: int) -> None:
+        """The copy that `begin(nbytes)` started is done."""
+        if nbytes >= _SPLIT_MIN_BYTES:
+            with self._lock:
+                self._running -= 1
 
     def record(self, method: str, seconds: float, nbytes: int) -> None:
         """A trial copy of `nbytes` by `method` took `seconds`."""
@@ -148,11 +167,14 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, num_threads: int | None =
     if num_threads is not None:
         native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, num_threads)
         return
-    method, threads, trial = _fill.method_for(nbytes)
-    start = time.perf_counter() if trial else 0.0
-    if method == "copy_":
-        dst.copy_(src)
-    else:
-        native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
-    if trial:
-        _fill.record(method, time.perf_counter() - start, nbytes)
+    method, threads, trial = _fill.begin(nbytes)
+    try:
+        start = time.perf_counter() if trial else 0.0
+        if method == "copy_":
+            dst.copy_(src)
+        else:
+            native().copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
+        if trial:
+            _fill.record(method, time.perf_counter() - start, nbytes)
+    finally:
+        _fill.end(nbytes)
