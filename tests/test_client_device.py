@@ -364,6 +364,31 @@ def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
     assert client.stats()["catalog"]["num_leases"] == 0
 
 
+def test_a_cache_dropped_without_close_gives_back_the_leases_of_its_prefetch(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    cache = cache_with_a_prefetch_sent(client)
+    del cache  # the last reference: CPython finalizes it here
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back_their_sources(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for name in ("a", "b"):
+        client.put(name, torch.full((1000,), float(ord(name))))
+    copier = UnfinishedCopier()
+    cache = DeviceCache(client, budget_bytes=8000, copier=copier, prefetch=False)
+    for name in ("a", "b"):
+        with cache.get(name):
+            pass
+    assert client.stats()["catalog"]["num_leases"] == 2  # the copies still read the CPU tier
+    del cache
+    client.flush()
+    assert len(copier.waited) == 2 and client.stats()["catalog"]["num_leases"] == 0
+
+
 def test_clear_after_the_client_closed_frees_the_device_memory(
         roomy_nvme_daemon: RunningDaemon) -> None:
     client = roomy_nvme_daemon.connect("trainer")

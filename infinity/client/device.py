@@ -13,7 +13,9 @@ while the caller computes, taken by the next get once it has its own tensor, so 
 get waits for one round trip, not two), and starts their copies, within the
 budget and without evicting anything needed sooner. `close()` a cache when done
 with it (or use it in a `with` block): until then the CPU-tier leases of its last
-copies and of its last prefetch request stay held.
+copies and of its last prefetch request stay held. A cache dropped without
+`close()` is closed when it is garbage-collected, as a file is: its leases go
+back then, not at a moment the caller chose.
 
 Copies go through a `DeviceCopier`, the small device-copy interface:
 `CudaCopier` copies on a side stream from pinned (registered) shared memory, and
@@ -376,6 +378,14 @@ class DeviceCache:
             if entry.ticket is not None:
                 self.copier.synchronize(entry.ticket)
         self.clear()
+
+    def __del__(self) -> None:
+        # A DeviceLease refers to its cache, so none is still held here: every entry can go.
+        # Nothing may escape a finalizer, whatever state the client or the process is in.
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def clear(self) -> None:
         """Drop every cached tensor not held (their device memory goes back to torch), and give
