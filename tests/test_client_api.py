@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from conftest import wait_until
-from infinity.errors import DaemonUnavailableError, InvalidRequestError, NotFoundError
+from conftest import RunningDaemon
+from infinity.errors import (DaemonUnavailableError, InvalidRequestError, LeaseError,
+                             NotFoundError)
+from infinity.protocol import wire
 
 
 def test_get_context_releases_the_lease_at_the_end_of_the_block(client: Any) -> None:
@@ -192,3 +195,33 @@ def test_a_get_whose_views_cannot_be_made_gives_its_lease_back(
     monkeypatch.undo()
     client.flush()
     assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_a_write_from_refused_for_a_name_the_client_reserved_leaves_that_reservation_alone(
+        daemon: RunningDaemon, client: Any) -> None:
+    views = client.reserve({"w": (torch.float32, (1021,))})
+    with pytest.raises(LeaseError, match="already holds a reservation"):
+        client.write_from("w", torch.ones(1021))
+    other = daemon.connect("other")
+    try:
+        other.put("victim", torch.full((1021,), 7.0))  # would take the slice, had it been freed
+        views["w"].fill_(3.0)
+        client.commit("w")
+        with other.get("victim") as victim, other.get("w") as w:
+            assert torch.equal(victim, torch.full((1021,), 7.0))
+            assert torch.equal(w, torch.full((1021,), 3.0))
+    finally:
+        other.close()
+
+
+def test_a_write_stream_whose_reservation_the_client_aborted_does_not_commit_a_new_one(
+        client: Any) -> None:
+    info = client._open_stream(wire.StreamOpen("default", "s", "write", "float32", (1021,)))
+    client.abort("s")  # the stream's own reservation, by name
+    views = client.reserve({"s": (torch.float32, (1021,))})
+    views["s"].fill_(5.0)
+    with pytest.raises(LeaseError, match="is gone"):
+        client._close_stream(info, commit=True, durable=False)
+    client.commit("s")  # the client's reservation is still its own to publish
+    with client.get("s") as s:
+        assert torch.equal(s, torch.full((1021,), 5.0))

@@ -61,6 +61,7 @@ class Stream:
     crcs: array.array[int] | None = None  # staged write: checksums, filled by the engine
     written: bytearray = field(default_factory=bytearray)  # staged write: 1 per block done
     slots: list[CpuSlice] = field(default_factory=list)
+    reservation_id: int | None = None  # direct write: the reservation this stream made
     busy: list[bool] = field(default_factory=list)
     inflight: int = 0
     closing: Callable[[], None] | None = None  # runs once the last chunk in flight ends
@@ -144,6 +145,7 @@ class StreamTable:
                 reservation = self.catalog.reserve(stream.client, stream.key[0], stream.key[1],
                                                    stream.dtype, stream.shape)
                 stream.slots = [reservation.cpu] if reservation.cpu is not None else []
+                stream.reservation_id = reservation.id
             else:
                 size = min(self.chunk_bytes, -(-stream.nbytes // 4096) * 4096)
                 count = min(self.depth, -(-stream.nbytes // self.chunk_bytes))
@@ -281,6 +283,10 @@ class StreamTable:
             return
         try:
             if stream.direct:
+                if not self._reserved(stream):
+                    raise LeaseError(
+                        f"the reservation of tensor {key[1]!r} that stream {stream.id} was "
+                        f"writing is gone (aborted by this client?); write the tensor again")
                 stream.slots = []  # the reservation's slice becomes the version's
                 self._streams.pop((stream.client, stream.id), None)
                 version = self.catalog.commit(stream.client, key[0], key[1])
@@ -323,7 +329,7 @@ class StreamTable:
             stream.slots = []
             return
         if stream.direct:
-            if stream.slots or self._reserved(stream):
+            if self._reserved(stream):
                 try:
                     self.catalog.abort(stream.client, stream.key[0], stream.key[1])
                 except InfinityError:
@@ -338,8 +344,13 @@ class StreamTable:
             stream.layout = None
 
     def _reserved(self, stream: Stream) -> bool:
-        holdings = self.catalog.holder_of(stream.client)
-        return stream.key in holdings.reservations
+        """Whether the client's reservation of the stream's name is the one the stream made:
+        a reserve refused because the client held one already, or one aborted by the client
+        and made afresh, is the client's own, which the stream must not abort."""
+        if stream.reservation_id is None:
+            return False
+        reservation = self.catalog.holder_of(stream.client).reservations.get(stream.key)
+        return reservation is not None and reservation.id == stream.reservation_id
 
     def drop_client(self, client: int) -> int:
         """A client went away: end its streams (each as soon as its chunks in flight end)."""
