@@ -389,6 +389,33 @@ def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back
     assert len(copier.waited) == 2 and client.stats()["catalog"]["num_leases"] == 0
 
 
+def test_a_tensor_released_after_its_cache_closed_leaves_device_memory_at_once(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("w", torch.ones(1001))
+    with DeviceCache(client, budget_bytes=MiB, prefetch=False) as cache:
+        held = cache.get("w")
+    assert cache.cached() == {"w": 1}  # still in use
+    held.release()
+    assert cache.cached() == {} and cache.stats.used_bytes == 0
+
+
+def test_a_closed_cache_refuses_gets(nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    client.put("w", torch.ones(1001))
+    cache = DeviceCache(client, budget_bytes=MiB)
+    cache.close()
+    with pytest.raises(InvalidRequestError, match="closed; make a new DeviceCache"):
+        cache.get("w")
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_a_lookahead_beyond_what_the_daemon_answers_is_refused_up_front(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="lookahead_entries is 4097; give 1 to 4096"):
+        DeviceCache(client, budget_bytes=MiB, lookahead_entries=4097)
+    DeviceCache(client, budget_bytes=MiB, lookahead_entries=4096).close()
+
+
 def test_clear_after_the_client_closed_frees_the_device_memory(
         roomy_nvme_daemon: RunningDaemon) -> None:
     client = roomy_nvme_daemon.connect("trainer")

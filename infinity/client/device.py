@@ -43,6 +43,7 @@ import torch
 
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
                              InvalidRequestError, ProtocolError, TierFullError, TooLargeError)
+from infinity.protocol.wire import MAX_UPCOMING_ENTRIES
 
 if TYPE_CHECKING:
     from infinity.client.client import Client, Lease, PendingResident, ResidentRequester
@@ -294,8 +295,10 @@ class DeviceCache:
         if budget_bytes <= 0:
             raise InvalidRequestError(f"budget_bytes is {budget_bytes}; give the device cache a "
                                       f"positive number of bytes")
-        if lookahead_entries < 1:
-            raise InvalidRequestError("lookahead_entries must be at least 1")
+        if not 1 <= lookahead_entries <= MAX_UPCOMING_ENTRIES:
+            raise InvalidRequestError(
+                f"lookahead_entries is {lookahead_entries}; give 1 to {MAX_UPCOMING_ENTRIES} "
+                f"(the most one `upcoming` request may ask the daemon for)")
         self.client = client
         self.budget_bytes = budget_bytes
         self.copier: DeviceCopier = copier if copier is not None else CpuCopier()
@@ -312,6 +315,7 @@ class DeviceCache:
         self._requester: ResidentRequester | None = None
         self._pending: tuple[PendingResident, list[str]] | None = None  # sent, not yet used
         self.registration_failures: list[str] = []
+        self._closed = False  # then a DeviceLease's last release frees its tensor at once
         unpin = getattr(self.copier, "unpin", None)
         if unpin is not None:
             client.on_segment_unmap(unpin)
@@ -321,6 +325,8 @@ class DeviceCache:
 
     def get(self, name: str) -> DeviceLease:
         """`name`'s current bytes in device memory; `with cache.get(name) as t:`."""
+        if self._closed:
+            raise InvalidRequestError("this device cache is closed; make a new DeviceCache")
         self._reap()
         if self._pending is not None and name in self._pending[1]:
             # Its copy was asked for: the answer first, so that copy starts as the prefetch
@@ -374,6 +380,7 @@ class DeviceCache:
         """Done with the cache (also the end of `with DeviceCache(...) as cache:`): wait for the
         copies under way, then `clear()`, so that every CPU-tier lease it holds goes back. What
         DeviceLeases still hold stays in device memory until released."""
+        self._closed = True
         for entry in [*self._entries.values(), *self._orphans]:
             if entry.ticket is not None:
                 self.copier.synchronize(entry.ticket)
@@ -404,9 +411,13 @@ class DeviceCache:
 
     def _released(self, entry: _Entry) -> None:
         entry.holds -= 1
-        if entry.orphaned and entry.holds == 0:
+        if entry.holds:
+            return
+        if entry.orphaned:
             self._orphans.remove(entry)
             self._free(entry)
+        elif self._closed and self._entries.get(entry.name) is entry:
+            self._drop(entry)  # nobody will clear() a closed cache again
 
     def _register_segments(self) -> None:
         register = getattr(self.copier, "register", None)
