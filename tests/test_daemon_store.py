@@ -7,8 +7,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from conftest import RunningDaemon, wait_until
 from infinity.errors import (InvalidRequestError, LeaseError, NotFoundError, TierFullError,
                              TooLargeError)
+from infinity.protocol import wire
 
 MiB = 1024 * 1024
 
@@ -55,6 +57,20 @@ def test_tensor_larger_than_a_segment_gets_a_dedicated_segment_returned_on_delet
         assert torch.equal(view, value)
     client.delete("big")
     assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] == 0
+
+
+def test_a_dedicated_segment_made_for_a_client_that_left_meanwhile_is_retired(
+        daemon: RunningDaemon, client: Any) -> None:
+    leaving = daemon.connect("leaving")
+    # 40 MiB in a tier of 64: the reserve waits for a dedicated segment while it is created ...
+    leaving._channel().send(next(leaving._request_ids), wire.Reserve((
+        wire.ReserveItem("default", "big", "uint8", (40 * MiB,)),)), expect_reply=True)
+    leaving.close()  # ... and its client says goodbye before it is served
+    wait_until(lambda: client.stats()["tiers"]["cpu"]["growing_bytes"] == 0, timeout_s=10,
+               what="the segment's creation to end")
+    assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] == 0
+    for i in range(7):  # the whole tier is there for the others
+        client.put(f"t{i}", torch.zeros(7 * MiB, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,shape", [

@@ -288,6 +288,12 @@ class CpuArena:
                 break
             self._retire(segment)
 
+    def retire_if_empty(self, segment_id: int) -> None:
+        """Retire the segment if it is still there and holds nothing."""
+        segment = self.segments.get(segment_id)
+        if segment is not None and segment.allocator.used_bytes == 0:
+            self._retire(segment)
+
     def _retire(self, segment: Segment) -> None:
         del self.segments[segment.id]
         self._segment_bytes_total -= segment.size_bytes

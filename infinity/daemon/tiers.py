@@ -454,6 +454,10 @@ class TierManager:
         self.arena.install(segment)
         self.counters.segments_created += 1
         self._run_space_waiters()
+        if segment.dedicated:
+            # Made for one tensor, whose request went with its client while the segment was
+            # being created (or took another): empty, it would hold its budget forever.
+            self.arena.retire_if_empty(segment.id)
 
     # --- eviction ------------------------------------------------------------------------
 
