@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import wait_until
-from conftest import RunningDaemon
+from conftest import RunningDaemon, wait_until
 from infinity.errors import (DaemonUnavailableError, InvalidRequestError, LeaseError,
                              NotFoundError)
 from infinity.protocol import wire
@@ -225,3 +226,40 @@ def test_a_write_stream_whose_reservation_the_client_aborted_does_not_commit_a_n
     client.commit("s")  # the client's reservation is still its own to publish
     with client.get("s") as s:
         assert torch.equal(s, torch.full((1021,), 5.0))
+
+
+def test_closing_a_client_while_another_thread_waits_for_a_reply_fails_that_request_cleanly(
+        daemon: RunningDaemon) -> None:
+    client = daemon.connect("two-threads")
+    client.put("w", torch.ones(3))
+    outcome: list[BaseException] = []
+    attached, go = threading.Event(), threading.Event()
+
+    def wait_for_a_get() -> None:
+        client.get("w").release()  # the thread's socket exists and is attached
+        attached.set()
+        go.wait()
+        try:
+            client.get("w")
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            outcome.append(exc)
+
+    worker = threading.Thread(target=wait_for_a_get)
+    worker.start()
+    attached.wait(timeout=10)
+    daemon.process.send_signal(signal.SIGSTOP)  # so the get waits for its reply
+    try:
+        go.set()
+        wait_until(lambda: any(channel._in_use for channel in list(client._channels)),
+                   timeout_s=10, what="the worker's get to wait for its reply")
+        client.close()  # closed the worker's socket under it: a libzmq assertion, or a hang
+        worker.join(timeout=10)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    assert not worker.is_alive()
+    assert len(outcome) == 1 and type(outcome[0]) is DaemonUnavailableError
+    assert "closed (by another thread) while get waited" in str(outcome[0])
+    other = daemon.connect("after")  # the daemon serves on
+    with other.get("w") as w:
+        assert torch.equal(w, torch.ones(3))
+    other.close()

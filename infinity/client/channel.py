@@ -8,13 +8,19 @@ may be in flight on one channel; replies that arrive for another request are
 kept by id until asked for. The blocking receive wakes every `TICK_S` to check
 that the daemon is still there, so a dead daemon is reported in well under a
 second and a silent one after the request timeout, never a hang.
+
+Closing the client may happen on another thread than a channel's user, and a
+ZeroMQ socket must not be closed under a thread that is using it: `shut` closes
+a channel no thread is using at once, and asks the one in use to close itself,
+which it does within `TICK_S` (or at once when the context is terminated).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import zmq
 
@@ -39,10 +45,14 @@ class Channel:
         self._daemon_gone = daemon_gone
         self._waiting: set[int] = set()
         self._stash: dict[int, wire.Reply] = {}
+        self._state = threading.Lock()  # for the two flags below
+        self._in_use = False  # a thread is sending or waiting on the socket
+        self._shut_asked = False  # by `shut`, while another thread used the socket
 
     def send(self, request_id: int, message: wire.Request, *, expect_reply: bool,
              releases: Sequence[int] = ()) -> None:
         data = wire.encode_request(request_id, message, releases)
+        self._begin_use(message.OP)
         if expect_reply:
             self._waiting.add(request_id)
         try:
@@ -52,6 +62,11 @@ class Channel:
             raise DaemonUnavailableError(
                 f"infinityd did not take a {message.OP} request within {self.timeout_s:g}s "
                 f"(daemon.request_timeout_s); is it running? (infinityd status)") from None
+        except zmq.ContextTerminated:
+            self._waiting.discard(request_id)
+            self._closed_meanwhile(message.OP)
+        finally:
+            self._end_use()
 
     def wait(self, request_id: int, *, what: str, patient: bool = False) -> wire.Reply:
         """The reply to `request_id`. patient: no time limit while the daemon is alive (for
@@ -66,12 +81,26 @@ class Channel:
             reply = self._stash.pop(request_id, None)
             if reply is not None:
                 return reply
+        self._begin_use(what)
+        try:
+            return self._receive(request_id, what=what, patient=patient, packed=packed)
+        finally:
+            self._end_use()
+
+    def _receive(self, request_id: int, *, what: str, patient: bool,
+                 packed: bool) -> wire.Reply | bytes:
         deadline = 0.0  # set on the first tick: a prompt reply never reads the clock
         recv = self.sock.recv
         while True:
             try:
                 data = recv()
+            except zmq.ContextTerminated:
+                self._waiting.discard(request_id)
+                self._closed_meanwhile(what)
             except zmq.Again:
+                if self._shut_asked:
+                    self._waiting.discard(request_id)
+                    self._closed_meanwhile(what)
                 if not deadline:
                     deadline = time.monotonic() + self.timeout_s - TICK_S
                 gone = self._daemon_gone()
@@ -121,6 +150,35 @@ class Channel:
         """`linger_ms` lets a last no-reply message (bye) leave before the socket goes."""
         if os.getpid() == self._pid:  # a forked child must not touch its parent's sockets
             self.sock.close(linger=linger_ms)
+
+    def shut(self, *, linger_ms: int = 0) -> None:
+        """Close from any thread: now if no thread is sending or waiting on the socket, else
+        by that thread within TICK_S (its request raises DaemonUnavailableError)."""
+        with self._state:
+            if self._in_use:
+                self._shut_asked = True
+            else:
+                self.close(linger_ms=linger_ms)
+
+    def _begin_use(self, what: str) -> None:
+        with self._state:
+            if self.sock.closed:
+                raise DaemonUnavailableError(
+                    f"this infinity Client is closed, so {what} was not sent; call "
+                    f"infinity.connect()")
+            self._in_use = True
+
+    def _end_use(self) -> None:
+        with self._state:
+            self._in_use = False
+            if self._shut_asked and not self.sock.closed:
+                self.close()  # the closing thread's context.term() waits for this
+
+    def _closed_meanwhile(self, what: str) -> NoReturn:
+        self._shut_asked = True  # closed by `_end_use`, on the way out
+        raise DaemonUnavailableError(
+            f"this infinity Client was closed (by another thread) while {what} waited for its "
+            f"reply; call infinity.connect() again") from None
 
     def __del__(self) -> None:
         # The channel of a thread that ended goes with the thread's locals; its socket with it.

@@ -947,7 +947,9 @@ class Client:
             self._heartbeat.join(timeout=self._timeout_s)
         with self._channels_lock:
             for other in list(self._channels):
-                other.close(linger_ms=200 if other is channel else 0)
+                # Another thread's request under way closes its own socket, within a tick or
+                # at the context's termination below, which waits for it.
+                other.shut(linger_ms=200 if other is channel else 0)
             self._channels.clear()
         if self._segments is not None:
             self._segments.close()
