@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -263,3 +263,60 @@ def test_closing_a_client_while_another_thread_waits_for_a_reply_fails_that_requ
     with other.get("w") as w:
         assert torch.equal(w, torch.ones(3))
     other.close()
+
+
+@pytest.fixture
+def impatient_daemon(daemon_factory: Any) -> RunningDaemon:
+    """A daemon whose clients give up on a reply after half a second."""
+    return daemon_factory(**{"daemon.request_timeout_s": 0.5})
+
+
+def stopped_for(daemon: RunningDaemon, request: Callable[[], Any]) -> BaseException:
+    """What `request` raised while the daemon was stopped (it answers once it goes on)."""
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnavailableError, match="did not answer") as raised:
+            request()
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    return raised.value
+
+
+def test_the_lease_of_a_get_answered_after_the_client_gave_up_goes_back(
+        impatient_daemon: RunningDaemon) -> None:
+    client = impatient_daemon.connect("impatient")
+    client.put("w", torch.ones(5))
+    raised = stopped_for(impatient_daemon, lambda: client.get("w"))
+    assert "did not answer get" in str(raised)
+    client.flush()  # the late answer comes first on this thread's socket
+    assert client.stats()["catalog"]["num_leases"] == 0
+    client.close()
+
+
+def test_the_lease_of_a_get_resident_answered_after_the_client_gave_up_goes_back(
+        impatient_daemon: RunningDaemon) -> None:
+    client = impatient_daemon.connect("impatient")
+    client.put("w", torch.ones(5))
+    requester = client.resident_requester()
+    requester.send(["w"]).result()[0].release()  # its socket is attached
+    raised = stopped_for(impatient_daemon, lambda: requester.send(["w"]).result())
+    assert "did not answer get_ahead" in str(raised)
+    lease, names = requester.send(["w"]).result()  # the late answer comes first on its socket
+    assert lease is not None and names == ["w"]
+    lease.release()
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0
+    client.close()
+
+
+def test_what_a_reserve_answered_after_the_client_gave_up_reserved_is_aborted(
+        impatient_daemon: RunningDaemon) -> None:
+    client = impatient_daemon.connect("impatient")
+    client.put("first", torch.ones(5))  # the tier's first segment: the reserve below waits for none
+    raised = stopped_for(impatient_daemon,
+                         lambda: client.reserve({"r": (torch.float32, (1021,))}))
+    assert "did not answer reserve" in str(raised)
+    client.flush()  # takes the late answer; its abort follows
+    assert client.stats()["catalog"]["num_reservations"] == 0
+    client.put("r", torch.ones(1021))  # the name is free to reserve again
+    client.close()

@@ -7,7 +7,10 @@ the caller's own thread, with no hand-off to another thread. Several requests
 may be in flight on one channel; replies that arrive for another request are
 kept by id until asked for. The blocking receive wakes every `TICK_S` to check
 that the daemon is still there, so a dead daemon is reported in well under a
-second and a silent one after the request timeout, never a hang.
+second and a silent one after the request timeout, never a hang. A caller
+that gives up on a request whose late answer would hold something (a lease, a
+reservation) leaves an undo for it: run when that answer comes, at a later
+wait on the same channel, once the socket is free for the undo's own message.
 
 Closing the client may happen on another thread than a channel's user, and a
 ZeroMQ socket must not be closed under a thread that is using it: `shut` closes
@@ -24,10 +27,12 @@ from typing import Callable, NoReturn, Sequence
 
 import zmq
 
-from infinity.errors import DaemonUnavailableError
+from infinity.errors import DaemonUnavailableError, InfinityError
 from infinity.protocol import wire
 
 TICK_S = 0.1
+
+LateReply = Callable[[wire.Reply], None]  # undoes what an answer given up on holds
 
 
 class Channel:
@@ -45,6 +50,8 @@ class Channel:
         self._daemon_gone = daemon_gone
         self._waiting: set[int] = set()
         self._stash: dict[int, wire.Reply] = {}
+        self._abandoned: dict[int, LateReply] = {}  # request id -> undo of its late answer
+        self._late: list[tuple[LateReply, wire.Reply]] = []  # answers come, undos not run yet
         self._state = threading.Lock()  # for the two flags below
         self._in_use = False  # a thread is sending or waiting on the socket
         self._shut_asked = False  # by `shut`, while another thread used the socket
@@ -68,27 +75,41 @@ class Channel:
         finally:
             self._end_use()
 
-    def wait(self, request_id: int, *, what: str, patient: bool = False) -> wire.Reply:
+    def wait(self, request_id: int, *, what: str, patient: bool = False,
+             on_late_reply: LateReply | None = None) -> wire.Reply:
         """The reply to `request_id`. patient: no time limit while the daemon is alive (for
-        work that takes as long as the data is large, like durable flushes)."""
-        reply = self._wait(request_id, what=what, patient=patient, packed=False)
+        work that takes as long as the data is large, like durable flushes). on_late_reply:
+        if this gives up on the reply, the undo to run on it should it come later."""
+        reply = self._wait(request_id, what=what, patient=patient, packed=False,
+                           on_late_reply=on_late_reply)
         assert type(reply) is wire.Reply
         return reply
 
-    def _wait(self, request_id: int, *, what: str, patient: bool,
-              packed: bool) -> wire.Reply | bytes:
+    def _wait(self, request_id: int, *, what: str, patient: bool, packed: bool,
+              on_late_reply: LateReply | None = None) -> wire.Reply | bytes:
         if self._stash:
             reply = self._stash.pop(request_id, None)
             if reply is not None:
                 return reply
         self._begin_use(what)
         try:
-            return self._receive(request_id, what=what, patient=patient, packed=packed)
+            return self._receive(request_id, what=what, patient=patient, packed=packed,
+                                 on_late_reply=on_late_reply)
         finally:
             self._end_use()
+            if self._late:
+                self._undo_late()
 
-    def _receive(self, request_id: int, *, what: str, patient: bool,
-                 packed: bool) -> wire.Reply | bytes:
+    def _undo_late(self) -> None:
+        late, self._late = self._late, []
+        for undo, reply in late:
+            try:
+                undo(reply)
+            except InfinityError:
+                pass  # the daemon or the session is gone, and what the answer held with it
+
+    def _receive(self, request_id: int, *, what: str, patient: bool, packed: bool,
+                 on_late_reply: LateReply | None) -> wire.Reply | bytes:
         deadline = 0.0  # set on the first tick: a prompt reply never reads the clock
         recv = self.sock.recv
         while True:
@@ -111,6 +132,8 @@ class Channel:
                         f"(infinityd start) and connect again") from None
                 if not patient and time.monotonic() > deadline:
                     self._waiting.discard(request_id)
+                    if on_late_reply is not None:
+                        self._abandoned[request_id] = on_late_reply
                     raise DaemonUnavailableError(
                         f"infinityd did not answer {what} within {self.timeout_s:g}s "
                         f"(daemon.request_timeout_s); check `infinityd status` and its log") from None
@@ -128,23 +151,31 @@ class Channel:
             if rid in self._waiting:
                 self._waiting.discard(rid)
                 self._stash[rid] = reply
+            elif self._abandoned:
+                undo = self._abandoned.pop(rid, None)
+                if undo is not None:
+                    self._late.append((undo, reply))
             # Anything else answers a request nobody waits for (a refused no-reply request).
 
-    def call(self, request_id: int, message: wire.Request, *,
-             releases: Sequence[int] = (), patient: bool = False) -> wire.Reply:
+    def call(self, request_id: int, message: wire.Request, *, releases: Sequence[int] = (),
+             patient: bool = False, on_late_reply: LateReply | None = None) -> wire.Reply:
         self.send(request_id, message, expect_reply=True, releases=releases)
-        return self.wait(request_id, what=message.OP, patient=patient)
+        return self.wait(request_id, what=message.OP, patient=patient,
+                         on_late_reply=on_late_reply)
 
     def call_packed(self, request_id: int, message: wire.Request, *,
-                    releases: Sequence[int] = ()) -> wire.Reply | bytes:
+                    releases: Sequence[int] = (),
+                    on_late_reply: LateReply | None = None) -> wire.Reply | bytes:
         """As `call`, but a successful reply comes back as its packed results (`wire.split_reply`),
         for callers that keep what they made of identical replies; anything else decoded."""
         self.send(request_id, message, expect_reply=True, releases=releases)
-        return self.call_packed_reply(request_id, what=message.OP)
+        return self.call_packed_reply(request_id, what=message.OP, on_late_reply=on_late_reply)
 
-    def call_packed_reply(self, request_id: int, *, what: str) -> wire.Reply | bytes:
+    def call_packed_reply(self, request_id: int, *, what: str,
+                          on_late_reply: LateReply | None = None) -> wire.Reply | bytes:
         """The reply to a request sent earlier with `send`, as `call_packed` returns it."""
-        return self._wait(request_id, what=what, patient=False, packed=True)
+        return self._wait(request_id, what=what, patient=False, packed=True,
+                          on_late_reply=on_late_reply)
 
     def close(self, *, linger_ms: int = 0) -> None:
         """`linger_ms` lets a last no-reply message (bye) leave before the socket goes."""

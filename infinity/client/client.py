@@ -48,7 +48,7 @@ import psutil
 import torch
 import zmq
 
-from infinity.client.channel import Channel
+from infinity.client.channel import Channel, LateReply
 from infinity.client.segments import SegmentMap, dtype_name
 from infinity.config import InfinityConfig, load_config
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
@@ -148,7 +148,9 @@ class PendingResident:
                                       "handed out by the first result()")
         self._done = True
         self._client._check_usable()
-        answer = self._channel.call_packed_reply(self._lease_id, what="get_ahead")
+        answer = self._channel.call_packed_reply(
+            self._lease_id, what="get_ahead",
+            on_late_reply=self._client._late_lease_undo(self._lease_id))
         return self._client._resident_lease(self._lease_id, self._names, answer)
 
 
@@ -289,13 +291,15 @@ class Client:
         self._results(channel.call(next(self._request_ids), wire.Attach(self._token)))
         return channel
 
-    def _call(self, message: wire.Request, *, patient: bool = False) -> tuple[Any, ...]:
+    def _call(self, message: wire.Request, *, patient: bool = False,
+              on_late_reply: LateReply | None = None) -> tuple[Any, ...]:
         """patient: wait as long as the daemon lives (durable writes take as long as the data
-        is large), instead of daemon.request_timeout_s."""
+        is large), instead of daemon.request_timeout_s. on_late_reply: see `Channel.wait`."""
         self._check_usable()
         channel = self._channel()
         return self._results(channel.call(next(self._request_ids), message,
-                                          releases=self._take_releases(), patient=patient))
+                                          releases=self._take_releases(), patient=patient,
+                                          on_late_reply=on_late_reply))
 
     def _send(self, message: wire.Request) -> None:
         self._check_usable()
@@ -412,7 +416,8 @@ class Client:
         assert self._segments is not None
         channel = self._channel()
         lease_id = next(self._request_ids)  # a get's request id names its lease
-        answer = channel.call_packed(lease_id, request, releases=self._take_releases())
+        answer = channel.call_packed(lease_id, request, releases=self._take_releases(),
+                                     on_late_reply=self._late_lease_undo(lease_id))
         packed: bytes | None = None
         if type(answer) is bytes:
             hit = self._segments.cached_reply(answer)
@@ -433,6 +438,26 @@ class Client:
                 self._release([lease_id], exclusive=exclusive)  # whatever it got goes back
             raise
         return Lease(self, [lease_id], tensors, results, single=single, exclusive=exclusive)
+
+    def _late_lease_undo(self, lease_id: int) -> LateReply:
+        """What to do with the answer to a get this client gave up waiting for, should it come
+        (the daemon was slow, not gone): its lease holds versions nobody will release."""
+        def undo(reply: wire.Reply) -> None:
+            if reply.failure is None and any(r is not None and type(r) is not ItemError
+                                             for r in reply.results):
+                with self._pending_lock:  # rides along with the next message, as a release does
+                    self._pending_releases.append(lease_id)
+        return undo
+
+    def _late_reserve_undo(self, namespace: str, names: builtins.list[str]) -> LateReply:
+        """As `_late_lease_undo`, for a reserve: what it reserved is aborted."""
+        def undo(reply: wire.Reply) -> None:
+            if reply.failure is None:
+                granted = [wire.TensorRef(namespace, name)
+                           for name, r in zip(names, reply.results) if type(r) is not ItemError]
+                if granted:
+                    self._send(wire.Abort(tuple(granted)))  # its answer is not waited for
+        return undo
 
     def _view(self, placement: Placement) -> torch.Tensor:
         assert self._segments is not None
@@ -497,7 +522,8 @@ class Client:
         if not request:
             return views
         try:
-            results = self._call(wire.Reserve(tuple(request)))
+            results = self._call(wire.Reserve(tuple(request)), on_late_reply=self._late_reserve_undo(
+                namespace, [item.name for item in request]))
         except BaseException:
             self._return_spares(namespace, taken)
             raise
@@ -509,7 +535,10 @@ class Client:
                      if type(r) is ItemError and r.code == TierFullError.code]
             try:
                 self._drop_all_spares()
-                again = dict(zip(retry, self._call(wire.Reserve(tuple(request[i] for i in retry)))))
+                asked = [request[i] for i in retry]
+                again = dict(zip(retry, self._call(wire.Reserve(tuple(asked)),
+                                                   on_late_reply=self._late_reserve_undo(
+                                                       namespace, [i.name for i in asked]))))
             except BaseException:
                 got = [item.name for item, r in zip(request, results) if type(r) is not ItemError]
                 if got:

@@ -505,7 +505,9 @@ class DeviceCache:
         except (DaemonUnavailableError, ForkedClientError):
             if use:
                 raise
-            return  # giving back: a session that is gone took its leases with it
+            # Giving back: a session that is gone took its leases with it, and the answer to a
+            # request given up on is undone when it comes (see Channel.wait).
+            return
         except ProtocolError:
             raise
         except InfinityError:
