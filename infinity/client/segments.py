@@ -194,7 +194,10 @@ class SegmentMap:
 
     def ranges(self) -> list[tuple[int, int, int]]:
         """(segment, start address, end address) of every mapped segment (checks, pinning)."""
-        return [(s, m.address, m.address + m.size_bytes) for s, m in sorted(self._mappings.items())]
+        # Without the lock, which a fetch holds while it waits for the daemon: a copy of the
+        # mappings, taken in one step under the GIL, is enough for a list of ranges.
+        mappings = list(self._mappings.items())
+        return [(s, m.address, m.address + m.size_bytes) for s, m in sorted(mappings)]
 
     # --- the fd channel -------------------------------------------------------------
 
@@ -254,9 +257,11 @@ class SegmentMap:
             del self._typed[key]
         if mapping is not None:
             start, end = mapping.address, mapping.address + mapping.size_bytes
-            for cached in [k for k, view in self._views.items()
-                           if start <= view.data_ptr() < end]:
-                del self._views[cached]
+            # Other threads add views without the lock (a get builds its views outside it):
+            # walk a copy, which list() takes in one step under the GIL.
+            for cached, view in list(self._views.items()):
+                if start <= view.data_ptr() < end:
+                    self._views.pop(cached, None)
 
     def daemon_gone(self) -> str | None:
         """Why the daemon is known to be gone (its end of the fd channel closed), or None."""
