@@ -49,6 +49,12 @@ from infinity.protocol.wire import ItemError, Placement, ReserveItem, StreamInfo
 
 log = logging.getLogger("infinityd")
 
+# A spare no put took within this many client_timeout_s is discarded. The client library
+# takes a spare only while it is younger than half of client_timeout_s (counted from before
+# the daemon made it), so a put that took one has over 3.5 client_timeout_s to commit it
+# before its slice could go to another tensor.
+SPARE_LIFETIME_TIMEOUTS = 4
+
 # How long gets that found everything resident may wait for the next prefetch plan.
 LAZY_PLAN_DELAY_S = 0.002
 # Messages served per wake-up before the loop looks at its other fds again.
@@ -396,6 +402,8 @@ class Daemon:
         now = time.monotonic()
         for session in self.sessions.expired(now, self.config.daemon.client_timeout_s):
             self._end(session, f"silent for {self.config.daemon.client_timeout_s:g}s")
+        spare_lifetime_s = SPARE_LIFETIME_TIMEOUTS * self.config.daemon.client_timeout_s
+        self.catalog.expire_spares(now - spare_lifetime_s)
         self.loop.call_later(self._sweep_interval_s(), self._sweep)
 
     def _on_segment_retired(self, segment: int) -> None:
@@ -570,7 +578,8 @@ class Daemon:
         again = [self._exists_quietly(item) for item in message.items]
         results, committed = self._publish(session, message.items)
         for i, version in committed:
-            spare = self.catalog.renew(session.id, version) if again[i] else None
+            spare = (self.catalog.renew(session.id, version, now_s=time.monotonic())
+                     if again[i] else None)
             placement = None
             if spare is not None:
                 placement = _reserved_placement(spare)
