@@ -150,7 +150,7 @@ class CudaCopier:
             raise InvalidRequestError("CUDA is not available to this process (no GPU, or a "
                                       "CPU-only torch); use CpuCopier")
         self.stream = torch.cuda.Stream(device=self.device)
-        self._tried: set[int] = set()  # start addresses that could not be pinned
+        self._tried: set[int] = set()  # segments that could not be pinned (ids: never reused)
         self._seen: list[tuple[int, int, int]] = []
 
     def register(self, ranges: list[tuple[int, int, int]]) -> list[str]:
@@ -164,7 +164,7 @@ class CudaCopier:
         cudart = torch.cuda.cudart()
         with torch.cuda.device(self.device), _pins_lock:
             for segment, start, end in ranges:
-                if start in _pinned or start in self._tried:
+                if start in _pinned or segment in self._tried:
                     continue
                 # 1 = cudaHostRegisterPortable: pinned for every device's context, not just this one.
                 status = int(cudart.cudaHostRegister(start, end - start, 1))
@@ -173,7 +173,7 @@ class CudaCopier:
                 if status in (0, _CUDA_ALREADY_REGISTERED):
                     _pinned[start] = end
                 else:
-                    self._tried.add(start)
+                    self._tried.add(segment)
                     failures.append(f"segment {segment}: cudaHostRegister returned {status}; its "
                                     f"copies are not DMA from pinned memory")
         return failures
