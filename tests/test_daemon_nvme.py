@@ -201,6 +201,32 @@ def test_a_tensor_written_in_place_is_written_back_and_reloads_with_the_new_byte
             assert bool((view == 7).all())
 
 
+def test_a_client_gone_while_its_exclusive_get_loads_leaves_the_tensor_intact(
+        store: Store) -> None:
+    daemon = store.start(**{"nvme.write_behind_bytes": 0})
+    value = pattern(1, 3 * MiB)
+    with daemon.connect("keeper") as keeper:
+        keeper.put("x", value)
+        for i in range(8):  # the tier fills with fillers not written back yet: x goes to NVMe
+            keeper.put(f"filler{i}", pattern(100 + i, 2 * MiB))
+        wait_until(lambda: keeper.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
+                   timeout_s=10, what="the evictions to end")
+        assert tier_of(keeper, "x") == "nvme"
+        leaver = daemon.connect("leaver")
+        channel = leaver._channel()
+        # x's load waits for room (a filler's write-back); its client goes away meanwhile,
+        # having been sent nothing it could have written through.
+        channel.send(next(leaver._request_ids), wire.Get((wire.GetItem("default", "x", True),)),
+                     expect_reply=True)
+        channel.send(next(leaver._request_ids), wire.Bye(), expect_reply=False)
+        keeper.flush()
+        wait_until(lambda: keeper.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
+                   timeout_s=10, what="the write-backs to end")
+        with keeper.get("x") as view:
+            assert torch.equal(view, value)
+        leaver.close()
+
+
 def test_prefetch_loads_a_non_resident_tensor_before_it_is_asked_for(store: Store) -> None:
     daemon = store.start()
     value = pattern(3, 2 * MiB)

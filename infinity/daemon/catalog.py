@@ -91,6 +91,9 @@ class Version:
     current: bool = True
     shared: int = 0
     exclusive: int = 0  # client id of the exclusive holder, 0 if none
+    # The exclusive holder was sent the placement, so it may have written: only then does the
+    # lease's end make the NVMe copy stale (one ended while the tensor loaded wrote nothing).
+    exclusive_handed: bool = False
     dirty: bool = True  # written in place (exclusive lease) or never written back
     # The placement's wire form and its packed reply item (`wire.pack_result`), built when the
     # version lands in the CPU tier (`set_placement`): every get of this version answers with
@@ -291,6 +294,7 @@ class Catalog:
                 self._space.leased_exclusively(version)  # counts the edit (version.edits)
                 if version.wire:  # resident: its placement carries the new count from this get on
                     set_placement(version)
+                    version.exclusive_handed = True  # in this get's reply
             else:
                 version.shared += 1
             lease.holds.append((version, exclusive))
@@ -315,10 +319,18 @@ class Catalog:
         if exclusive:
             version.exclusive = 0
             self.num_exclusive -= 1
-            self._space.written(version)  # written in place: the NVMe copy is stale
+            if version.exclusive_handed:
+                version.exclusive_handed = False
+                self._space.written(version)  # written in place: the NVMe copy is stale
         else:
             version.shared -= 1
         self._maybe_free(version)
+
+    def handed_out(self, client: int, version: Version) -> None:
+        """The version's placement goes to the client in a reply now (a get that waited for
+        its load): if the client holds it exclusively, it may write from now on."""
+        if version.exclusive == client:
+            version.exclusive_handed = True
 
     def drop_hold(self, client: int, lease_id: int, version: Version) -> None:
         """Take one version out of a lease (its load failed, so the get reports an error for it);
@@ -336,6 +348,7 @@ class Catalog:
                     self.num_leases -= 1
                 if exclusive:  # nothing was written: it was never handed out
                     version.exclusive = 0
+                    version.exclusive_handed = False
                     self.num_exclusive -= 1
                     self._maybe_free(version)
                 else:

@@ -506,6 +506,7 @@ class Daemon:
         session = deferred.session
         if error is None:
             deferred.results[i] = version.wire
+            self.catalog.handed_out(session.id, version)
             if loaded:
                 session.counters.load_bytes += version.nbytes
         else:
