@@ -99,6 +99,13 @@ def tiny_store(tiny_tmpfs_dir: str) -> Iterator[Store]:
     yield from _store(tiny_tmpfs_dir)
 
 
+@pytest.fixture
+def ramfs_store(ramfs_dir: str) -> Iterator[Store]:
+    """A store on ramfs, where growing the store file is slow: glibc writes the zeros of a
+    posix_fallocate that ramfs does not do itself (about a second per GiB)."""
+    yield from _store(ramfs_dir)
+
+
 def pattern(seed: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(seed))
@@ -333,6 +340,38 @@ def test_a_tensor_being_rewritten_at_kill_9_reads_back_old_or_new_never_a_mix(
     finally:
         writer.kill()
         writer.join()
+
+
+def test_a_flush_of_bytes_written_in_place_since_is_not_undone_by_an_older_flush(
+        ramfs_store: Store) -> None:
+    settings = {"cpu.budget_bytes": 256 * MiB, "cpu.segment_bytes": 64 * MiB,
+                "nvme.write_behind_bytes": 0}
+    daemon = ramfs_store.start(**settings, **{"nvme.file_grow_bytes": 8 * MiB})
+    with daemon.connect() as client:  # a store file with 8 MiB free, and no more
+        client.put("warm", torch.zeros(8 * MiB, dtype=torch.uint8), durable=True)
+        client.delete("warm")
+    daemon.stop()
+    daemon = ramfs_store.start(**settings, **{"nvme.file_grow_bytes": 1024 * MiB})
+    with daemon.connect("a") as client, daemon.connect("watch") as watch:
+        views = client.reserve({"v": (torch.uint8, (4096,)), "S": (torch.uint8, (32 * MiB,))})
+        views["v"].fill_(1)
+        views["S"].fill_(7)
+        written = watch.stats()["counters"]["tiers"]["writebacks"]
+        channel = client._channel()
+        first = next(client._request_ids)
+        channel.send(first, wire.CommitDurable((wire.TensorRef("default", "v"),
+                                                wire.TensorRef("default", "S"))),
+                     expect_reply=True)  # its v of 1s is written; S waits for the file to grow
+        wait_until(lambda: watch.stats()["counters"]["tiers"]["writebacks"] > written,
+                   timeout_s=10, what="v's write-back")
+        with client.get("v", exclusive=True) as v:
+            v.fill_(2)
+        client.delete("S")
+        assert client.flush_store() == {"tensors": 1, "bytes": 4096}  # v of 2s, durable
+        assert channel.wait(first, what="commit_durable", patient=True).failure is None
+    daemon.stop()
+    with ramfs_store.start(**settings).connect() as client, client.get("v") as v:
+        assert bool((v == 2).all())  # not the 1s the first flush had copied
 
 
 def test_deleting_a_flushed_tensor_removes_it_from_the_index(store: Store) -> None:

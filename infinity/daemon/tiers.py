@@ -74,6 +74,9 @@ class DiskCopy:
     owned: bool = True  # the clean copy of a live version
     indexed: bool = False  # the durable index points its name at it
     publishing: int = 0  # index transactions in flight (or about to be) that will point at it
+    # The version's `edits` when these bytes were read from it: of two copies of one version
+    # (written in place between them), the index must end at the later one.
+    edits: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -221,7 +224,9 @@ class TierManager:
         self._write_behind_bytes = 0  # bytes being written back ahead of need
         self._disk_growth: dict[int, list[Callback]] = {}
         self._indexed: dict[Key, DiskCopy] = {}  # what the committed index says, name by name
-        self._index_issued: dict[Key, int] = {}  # version stamp of the last index update issued
+        # (version stamp, edits) of the last index update issued per name; a delete takes a
+        # fresh stamp, so it orders after every version before it.
+        self._index_issued: dict[Key, tuple[int, int]] = {}
         self._index_pending: dict[Key, int] = {}  # index transactions in flight, per name
         self._flushing: dict[Key, int] = {}  # make_durable jobs not yet at their transaction
         self._closing = False
@@ -600,7 +605,7 @@ class TierManager:
                 counters.writebacks_stale += 1
                 error = self._stale(version)
             else:
-                version.nvme = DiskCopy(layout)
+                version.nvme = DiskCopy(layout, edits=wb.edits)
                 version.dirty = False
                 counters.writebacks += 1
                 counters.writeback_bytes += version.nbytes
@@ -855,7 +860,8 @@ class TierManager:
         for i, version in enumerate(job.versions):
             if version.nbytes == 0:
                 if version.nvme is None:
-                    version.nvme = DiskCopy(TensorLayout(0, self.config.nvme.stripe_bytes, (), ()))
+                    empty = TensorLayout(0, self.config.nvme.stripe_bytes, (), ())
+                    version.nvme = DiskCopy(empty, edits=version.edits)
                 self._flush_ready(job, i, version)
             elif version.exclusive:
                 job.errors[i] = LeaseError(
@@ -904,14 +910,16 @@ class TierManager:
         published: list[tuple[int, Key, DiskCopy, int]] = []
         for i, version, copy in job.ready:
             key = version.key
-            if self._index_issued.get(key, 0) > version.stamp:
-                # A newer version's update, or a delete, went to the index after this was asked
-                # for: writing this one now would take the name back in time.
+            order = (version.stamp, copy.edits)
+            if self._index_issued.get(key, (0, 0)) > order:
+                # A newer version's update, a copy of this version written in place since, or a
+                # delete went to the index after this was asked for: writing this one now would
+                # take the name back in time.
                 copy.publishing -= 1
                 self._release_copy(copy)
                 self._forget_order(key)
                 continue
-            self._index_issued[key] = version.stamp
+            self._index_issued[key] = order
             self._index_pending[key] = self._index_pending.get(key, 0) + 1
             records.append(DurableRecord(key[0], key[1], version.dtype, version.shape, copy.layout))
             published.append((i, key, copy, version.nbytes))
@@ -976,10 +984,10 @@ class TierManager:
         if key in self._flushing:
             # A flush of a version of this name is still writing: when it gets to the index,
             # this delete must win over it.
-            self._index_issued[key] = self._catalog.next_stamp()
+            self._index_issued[key] = (self._catalog.next_stamp(), 0)
         if key not in self._indexed and key not in self._index_pending:
             return False
-        self._index_issued[key] = self._catalog.next_stamp()
+        self._index_issued[key] = (self._catalog.next_stamp(), 0)
         self._index_pending[key] = self._index_pending.get(key, 0) + 1
 
         def removed(future: Future[None]) -> None:
@@ -1021,7 +1029,7 @@ class TierManager:
             version = catalog.install(key, record.dtype, record.shape, nbytes, cpu=None,
                                       dirty=False, nvme=copy)
             self._indexed[key] = copy
-            self._index_issued[key] = version.stamp
+            self._index_issued[key] = (version.stamp, 0)
         return len(records)
 
     # --- streams' I/O ---------------------------------------------------------------------
