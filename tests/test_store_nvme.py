@@ -11,6 +11,7 @@ from infinity.config import MiB, NvmeConfig, IOConfig
 from infinity.errors import (
     ChecksumError,
     DiskFullError,
+    IOEngineError,
     OutOfRangeError,
     StoreDirectoryError,
     StoreFullError,
@@ -239,3 +240,22 @@ def test_a_write_that_times_out_keeps_its_extents(engine, disk_tmp) -> None:
     out = torch.empty_like(src)
     tier.read_tensor(write.result(), out)
     assert bitwise_equal(src, out)
+
+
+def test_asking_a_failed_write_again_frees_nothing_more(disk_tmp) -> None:
+    engine = IOEngine(IOConfig(num_threads=1, queue_depth=1))
+    tier = make_tier(engine, disk_tmp, file_grow_bytes=256 * MiB)
+    try:
+        tier.write_tensor(torch.zeros(128 * MiB, dtype=torch.uint8))  # takes the one worker
+        failed = tier.write_tensor(torch.ones(MiB, dtype=torch.uint8))  # queued behind it
+        engine.close()  # cancels what has not started
+        with pytest.raises(IOEngineError):
+            failed.result()  # gives its extents back
+        other = tier.allocate(MiB)  # first fit: those extents
+        used = tier.directories[0].allocator.used_bytes
+        with pytest.raises(IOEngineError):
+            failed.result()
+        assert tier.directories[0].allocator.used_bytes == used  # other's extents are still its
+        assert other.extents == failed._layout.extents
+    finally:
+        tier.close()

@@ -270,7 +270,7 @@ class NvmeWrite:
         self.future = future
         self._crcs = crcs
         self._keepalive = keepalive  # staging buffers must outlive the I/O
-        self._on_failure = on_failure
+        self._on_failure: Callable[[], None] | None = on_failure
         self._final: TensorLayout | None = None
 
     def done(self) -> bool:
@@ -283,7 +283,10 @@ class NvmeWrite:
             except TimeoutError:
                 raise  # still in flight: its extents are not free yet
             except BaseException:
-                self._on_failure()
+                # Once: the extents it frees may be another write's by the next call.
+                on_failure, self._on_failure = self._on_failure, None
+                if on_failure is not None:
+                    on_failure()
                 raise
             self._final = finished_layout(self._layout, self._crcs)
             self._keepalive = ()
