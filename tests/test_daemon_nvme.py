@@ -374,6 +374,26 @@ def test_a_flush_of_bytes_written_in_place_since_is_not_undone_by_an_older_flush
         assert bool((v == 2).all())  # not the 1s the first flush had copied
 
 
+def test_a_flush_after_an_in_place_edit_ended_writes_the_new_bytes_instead_of_refusing(
+        ramfs_store: Store) -> None:
+    roomy = {"cpu.budget_bytes": 256 * MiB, "cpu.segment_bytes": 64 * MiB}
+    daemon = ramfs_store.start(**roomy, **{"nvme.file_grow_bytes": 1024 * MiB})
+    with daemon.connect() as client:
+        views = client.reserve({"v": (torch.uint8, (32 * MiB,))})
+        views["v"].fill_(1)
+        channel = client._channel()
+        first = next(client._request_ids)
+        channel.send(first, wire.CommitDurable((wire.TensorRef("default", "v"),)),
+                     expect_reply=True)  # its write-back waits for the store file to grow
+        with client.get("v", exclusive=True) as v:
+            v.fill_(2)
+        assert client.flush_store() == {"tensors": 1, "bytes": 32 * MiB}  # no lease is held
+        channel.wait(first, what="commit_durable", patient=True)  # refused: edited meanwhile
+    daemon.stop()
+    with ramfs_store.start(**roomy).connect() as client, client.get("v") as v:
+        assert bool((v == 2).all())
+
+
 def test_deleting_a_flushed_tensor_removes_it_from_the_index(store: Store) -> None:
     daemon = store.start()
     with daemon.connect() as client:

@@ -524,6 +524,11 @@ class TierManager:
         """Write a dirty resident version to fresh extents (joining a write-back under way).
         evict: free its CPU slice once written; ahead: written ahead of need (write-behind)."""
         wb = version.writeback
+        if wb is not None and wb.edits != version.edits and waiter is not None:
+            # The one under way copies bytes from before an in-place edit and will be dropped:
+            # the waiter (a flush) gets a write-back of the bytes there now, once it ends.
+            wb.waiters.append(functools.partial(self._after_stale_write_back, version, waiter))
+            waiter = None
         fresh = wb is None
         if wb is None:
             wb = version.writeback = _WriteBack(version, version.edits, [])
@@ -570,6 +575,18 @@ class TierManager:
             self._wrote_back(wb, None, exc)
             return
         write.future.add_done_callback(lambda _: self._write_done(wb, write, layout))
+
+    def _after_stale_write_back(self, version: Version, waiter: Callback,
+                                error: InfinityError | None) -> None:
+        if version.exclusive:
+            waiter(self._stale(version))  # being written in place again: not settled
+        elif version.nvme is not None and not version.dirty:
+            waiter(None)  # written back since, as it is now
+        elif version.cpu is not None:
+            self._write_back(version, evict=False, waiter=waiter)
+        else:
+            waiter(error or InfinityError(f"tensor {version.key[1]!r} has no bytes anywhere "
+                                          f"(internal error); see infinityd's log"))
 
     @staticmethod
     def _stale(version: Version) -> LeaseError:
