@@ -259,3 +259,21 @@ def test_asking_a_failed_write_again_frees_nothing_more(disk_tmp) -> None:
         assert other.extents == failed._layout.extents
     finally:
         tier.close()
+
+
+def test_room_grown_for_an_allocation_and_taken_by_another_thread_is_grown_again(
+        engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, file_grow_bytes=4 * MiB)
+    directory = tier.directories[0]
+    allocate = directory.allocate
+    others: list = []
+
+    def lose_the_room_first(nbytes: int, **kwargs):
+        if not others:  # another thread's allocation slips in after the growth (a stand-in)
+            others.append(directory.allocator.allocate(directory.allocator.largest_free_bytes()))
+        return allocate(nbytes, **kwargs)
+
+    directory.allocate = lose_the_room_first  # type: ignore[method-assign]
+    layout = tier.allocate(3 * MiB)  # GrowthNeeded escaped to this caller, which asked to grow
+    assert others and others[0] is not None
+    assert layout.nbytes == 3 * MiB and not {e for _, e in layout.extents} & set(others)

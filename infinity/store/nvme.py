@@ -345,6 +345,15 @@ class NvmeTier:
         per_dir: dict[int, int] = {}
         for d, _, length in deal_stripes(capacity, self.stripe_bytes, len(self.directories)):
             per_dir[d] = per_dir.get(d, 0) + length
+        while True:
+            try:
+                return self._allocate_once(nbytes, per_dir, grow=grow)
+            except GrowthNeeded:
+                if not grow:
+                    raise
+                # Another thread took the room grown here before this took it: grow again.
+
+    def _allocate_once(self, nbytes: int, per_dir: dict[int, int], *, grow: bool) -> TensorLayout:
         taken: list[tuple[int, Extent]] = []
         if grow:
             # Growing holds no allocator lock across fallocate: make room first, then take it.
