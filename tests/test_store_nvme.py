@@ -125,6 +125,18 @@ def test_layout_survives_the_wire_and_a_reopened_tier(engine, disk_tmp) -> None:
     assert reopened.allocate(4096).extents[0][1].offset_bytes >= layout.extents[0][1].end_bytes
 
 
+def test_a_store_reopened_under_a_lower_capacity_than_it_holds_says_which_setting(
+        engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, file_grow_bytes=16 * MiB)
+    tier.write_tensor(random_tensor(5 * MiB, torch.uint8, seed=3)).result()
+    layout = tier.write_tensor(random_tensor(3 * MiB, torch.uint8, seed=4)).result()
+    tier.close()
+    reopened = make_tier(engine, disk_tmp, capacity_bytes_per_dir=4 * MiB)
+    with pytest.raises(StoreDirectoryError, match="past nvme.capacity_bytes_per_dir .4194304.; "
+                                                  "raise that setting to at least 8388608"):
+        reopened.adopt(layout)
+
+
 def test_ramfs_falls_back_to_buffered_io(engine, ramfs_dir) -> None:
     tier = make_tier(engine, ramfs_dir)
     assert tier.describe()[0]["direct"] is False

@@ -400,6 +400,11 @@ class NvmeTier:
         with self._lock:
             for d, extent in layout.extents:
                 directory = self.directories[d]
+                if extent.end_bytes > directory.capacity_bytes:
+                    raise StoreDirectoryError(
+                        f"{directory.file_path} holds tensors up to byte {extent.end_bytes}, past "
+                        f"nvme.capacity_bytes_per_dir ({directory.capacity_bytes}); raise that "
+                        f"setting to at least {extent.end_bytes} to open this store")
                 while directory.allocator.capacity_bytes < extent.end_bytes:
                     if not directory.grow_for(extent.end_bytes - directory.allocator.capacity_bytes):
                         raise StoreDirectoryError(
