@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import PREFETCH_SETTINGS, RunningDaemon, short_tmp_root, start_daemon_process
+from conftest import (PREFETCH_SETTINGS, RunningDaemon, short_tmp_root, start_daemon_process,
+                      wait_until)
 
 MiB = 1024 * 1024
 SPAWN = multiprocessing.get_context("spawn")
@@ -213,6 +214,49 @@ def test_two_live_clients_with_one_name_keep_separate_traces(store: PrefetchStor
     assert names[0] == "trainer" and names[1].startswith("trainer#")
     first.close()
     second.close()
+
+
+def test_three_live_clients_never_share_a_scheduler_stream_whatever_their_names(
+        store: PrefetchStore) -> None:
+    daemon = store.start()
+    # The second "bob" would be keyed "bob#3", the name the first client has.
+    clients = [daemon.connect(name) for name in ("bob#3", "bob", "bob")]
+    clients[0].put("w", torch.ones(4))
+    for client in clients:
+        with client.get("w"):
+            pass
+    streams = {(c["namespace"], c["client"]) for c in clients[0].stats()["scheduler"]["clients"]}
+    assert len(streams) == 3
+    for client in clients:
+        client.close()
+
+
+def test_a_client_whose_name_has_a_hash_gets_its_trace_back_when_it_returns(
+        store: PrefetchStore) -> None:
+    daemon = store.start()
+    client = daemon.connect("trainer#0")
+    write_layers(client)
+    assert run_step(client, list(range(8)))[0].outcome == "recorded"
+    client.close()
+    again = daemon.connect("trainer#0")
+    assert run_step(again, list(range(8)))[0].outcome == "replayed"
+    again.close()
+
+
+def test_streams_of_a_client_that_left_without_a_trace_are_forgotten(
+        store: PrefetchStore) -> None:
+    daemon = store.start()
+    watcher = daemon.connect("watcher")
+    stepper = daemon.connect("stepper")
+    for i in range(17):
+        with stepper.step(namespace=f"ns{i}"):
+            pass  # nothing read: no trace
+    assert len(watcher.stats()["clients"][1]["scheduler_streams"]) == 17
+    stepper.close()
+    wait_until(lambda: len(watcher.stats()["clients"]) == 1, timeout_s=10,
+               what="the stepper's session to end")
+    assert all(c["client"] != "stepper" for c in watcher.stats()["scheduler"]["clients"])
+    watcher.close()
 
 
 # --- leases and eviction -------------------------------------------------------------------------

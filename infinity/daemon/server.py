@@ -137,6 +137,9 @@ class Daemon:
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
         self._stream_owners: dict[StreamKey, int] = {}  # stream -> the live session that holds it
+        # Streams of a client whose name another live client had: keyed "<name>#<session id>",
+        # kept only as long as their session (one trace cannot describe two processes).
+        self._session_streams: set[StreamKey] = set()
         self._saved_traces: dict[StreamKey, Trace | None] = {}  # what the index holds, by stream
         self._plan_due = False
         self._plan_timer = False  # a lazy plan is scheduled (see _get)
@@ -802,7 +805,12 @@ class Daemon:
             stream = (namespace, session.name)
             if self._stream_owners.get(stream, session.id) != session.id:
                 # Another live client has this name: one trace cannot describe two processes.
-                stream = (namespace, f"{session.name}#{session.id}")
+                # (A client may be named like such a key itself: take one nobody holds.)
+                suffix = f"#{session.id}"
+                while (namespace, session.name + suffix) in self._stream_owners:
+                    suffix += f"#{session.id}"
+                stream = (namespace, session.name + suffix)
+                self._session_streams.add(stream)
             self._stream_owners[stream] = session.id
             session.streams[namespace] = stream
             assert self.scheduler is not None
@@ -879,8 +887,13 @@ class Daemon:
             scheduler.client_gone(stream, now)
             if self._stream_owners.get(stream) == session.id:
                 del self._stream_owners[stream]
-            if "#" in stream[1]:
+            if stream in self._session_streams:
+                self._session_streams.discard(stream)
                 scheduler.remove_stream(stream)  # never saved: nobody can come back to it
+            elif scheduler.trace_of(stream) is None:
+                # Nothing to come back to: a stream per namespace ever stepped in would
+                # otherwise stay for the daemon's life (and every plan would walk them).
+                scheduler.remove_stream(stream)
             else:
                 self._save_trace(stream)  # with the timing its replayed steps refined
         session.streams.clear()
@@ -890,7 +903,8 @@ class Daemon:
         """Persist a stream's trace in the store's index (None: forget it), in the background,
         unless the index already holds this very trace."""
         index = self.tiers.index
-        if index is None or self.scheduler is None or "#" in stream[1] or self._closing:
+        if (index is None or self.scheduler is None or stream in self._session_streams
+                or self._closing):
             return  # a "#<id>" stream lives only as long as its session
         trace = self.scheduler.trace_of(stream)
         if self._saved_traces.get(stream) is trace:
@@ -979,7 +993,7 @@ class Daemon:
             leases, reservations = self.catalog.client_counts(session.id)
             clients.append({
                 "id": session.id, "name": session.name, "pid": session.pid,
-                "streams": [list(key) for key in session.streams.values()],
+                "scheduler_streams": [list(key) for key in session.streams.values()],
                 "watched_by_pidfd": session.pidfd is not None,
                 "connected_at_s": session.connected_at_s,
                 "idle_s": round(now - session.last_seen, 3),
