@@ -201,3 +201,49 @@ def test_a_storm_of_random_and_mutated_messages_never_stops_the_daemon(
     assert answered <= sent
     _assert_daemon_serves(client)
     assert client.stats()["counters"]["malformed"] > 0
+
+
+def raw_hello(raw: RawSocket, *, pid: int, start_time_s: float, name: str = "raw") -> wire.Reply:
+    raw.send(msgpack.packb(["hello", 1, [wire.PROTOCOL_VERSION, name, pid, start_time_s]]))
+    return raw.recv()
+
+
+def test_a_hello_with_a_pid_no_process_can_have_is_refused_and_opens_no_session(
+        raw: RawSocket) -> None:
+    reply = raw_hello(raw, pid=1 << 31, start_time_s=0.0)
+    assert reply.failure is not None and reply.failure.code == ProtocolError.code
+    assert "hello pid" in reply.failure.message
+    raw.send(wire.encode_request(2, wire.Stats()))
+    assert raw.recv().failure is not None  # still no session on this socket
+
+
+@pytest.mark.parametrize("start_time_s", [float("nan"), float("inf")])
+def test_a_hello_with_a_start_time_that_is_not_a_number_is_refused(
+        raw: RawSocket, start_time_s: float) -> None:
+    # NaN compared with the process's start time is never "too far": any pid would pass.
+    reply = raw_hello(raw, pid=os.getpid(), start_time_s=start_time_s)
+    assert reply.failure is not None and "not a finite number" in reply.failure.message
+
+
+@pytest.mark.parametrize("message", [
+    ["step", 2, ["ns", "p" * 65530]],
+    [["x"] * 60000, 2, []],
+    ["stream_open", 2, ["ns", "t", "m" * 65530, "", []]],
+    ["reserve", 2, [["ns", "t", "d" * 65530, [1]]]],
+], ids=["step phase", "operation", "stream mode", "dtype"])
+def test_an_error_about_a_huge_field_quotes_it_short_enough_to_decode(
+        raw: RawSocket, message: list[Any]) -> None:
+    raw.hello()
+    raw.send(msgpack.packb(message))
+    reply = raw.recv()  # the decoder refuses strings past 64 KiB: the reply must stay under
+    errors = [reply.failure] if reply.failure is not None else list(reply.results)
+    assert errors and all(type(e) is wire.ItemError and len(e.message) < 1000 for e in errors)
+
+
+def test_a_shape_with_a_zero_and_a_dimension_past_2_to_the_63_is_refused(
+        raw: RawSocket, client: Any) -> None:
+    raw.hello()
+    raw.send(msgpack.packb(["reserve", 2, [["default", "evil", "float32", [0, (1 << 64) - 1]]]]))
+    (result,) = raw.recv().results
+    assert type(result) is wire.ItemError and "dimension of more than 2**50" in result.message
+    assert not client.exists("evil")

@@ -100,7 +100,8 @@ class StreamTable:
         elif mode == "write":
             stream = self._open_write(client, stream_id, key, dtype, shape)
         else:
-            raise InvalidRequestError(f"a stream is opened to 'read' or 'write', not {mode!r}")
+            raise InvalidRequestError(f"a stream is opened to 'read' or 'write', not "
+                                      f"{mode[:80]!r}")
         self._streams[(client, stream_id)] = stream
         self.opened += 1
         if stream.direct and mode == "read":

@@ -40,7 +40,7 @@ def itemsize(dtype: str) -> int:
     size = DTYPE_ITEMSIZE.get(dtype)
     if size is None:
         raise InvalidRequestError(
-            f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_ITEMSIZE)}")
+            f"dtype {dtype[:80]!r} is not supported; use one of {', '.join(DTYPE_ITEMSIZE)}")
     return size
 
 
@@ -53,6 +53,11 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     for dim in shape:
         if dim < 0:
             raise InvalidRequestError(f"shape {list(shape)} has a negative dimension")
+        # Each dimension on its own too: a zero elsewhere makes the product 0 whatever this
+        # is, and torch refuses a dimension past 2**63 (a tensor nobody could then get).
+        if dim * size > MAX_TENSOR_BYTES:
+            raise InvalidRequestError(f"shape {list(shape)} of {dtype} has a dimension of more "
+                                      f"than 2**50 bytes")
         count *= dim
         if count * size > MAX_TENSOR_BYTES:
             raise InvalidRequestError(f"shape {list(shape)} of {dtype} is larger than 2**50 bytes")

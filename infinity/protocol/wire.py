@@ -31,6 +31,7 @@ ancillary data, one fd per listed segment, in order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Sequence, TypeVar, Union, cast
 
@@ -40,6 +41,8 @@ from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, 
 
 PROTOCOL_VERSION = 4  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier
+
+MAX_PID = 1 << 22  # Linux's largest pid_max
 
 # Hard limits, enforced while decoding, so a hostile or broken peer cannot make
 # either side allocate without bound. The daemon also caps whole frames
@@ -79,6 +82,13 @@ def _pack(value: Any) -> bytes:
 
 # --- structural checks, each raising ProtocolError naming the field ------------------
 
+def _short(value: Any) -> str:
+    """A value quoted in an error message, cut short: the reply must stay far below the
+    decoder's limits, whatever the request carried."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _bad(where: str, expected: str, value: Any) -> ProtocolError:
     return ProtocolError(f"malformed {where}: expected {expected}, got {type(value).__name__}")
 
@@ -100,17 +110,22 @@ def _str(value: Any, where: str) -> str:
     return value
 
 
-def _int(value: Any, where: str, *, minimum: int = 0) -> int:
+def _int(value: Any, where: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     if type(value) is not int:
         raise _bad(where, "an integer", value)
     if value < minimum:
         raise ProtocolError(f"malformed {where}: {value} is below {minimum}")
+    if maximum is not None and value > maximum:
+        raise ProtocolError(f"malformed {where}: {value} is above {maximum}")
     return value
 
 
 def _float(value: Any, where: str) -> float:
     if type(value) is float or type(value) is int:
-        return float(value)
+        number = float(value)
+        if math.isfinite(number):
+            return number
+        raise ProtocolError(f"malformed {where}: {value} is not a finite number")
     raise _bad(where, "a number", value)
 
 
@@ -246,7 +261,8 @@ class Hello:
                 f"the daemon (infinityd stop; infinityd start)")
         version, name, pid, start = _list(body, "hello", 4)
         return cls(_int(version, "hello version"), _str(name, "hello name"),
-                   _int(pid, "hello pid", minimum=1), _float(start, "hello start_time_s"))
+                   _int(pid, "hello pid", minimum=1, maximum=MAX_PID),
+                   _float(start, "hello start_time_s"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -580,7 +596,7 @@ class Step:
                                 f"{MAX_NAMESPACE_CHARS} characters")
         if phase not in STEP_PHASES:
             raise ProtocolError(f"malformed step: the phase must be 'begin', 'end' or 'abort', "
-                                f"not {phase!r}")
+                                f"not {_short(phase)}")
         return cls(namespace, phase)
 
 
@@ -665,7 +681,8 @@ def decode_envelope(data: bytes) -> Envelope:
     if type(request_id) is not int or not 0 < request_id < 1 << 63:
         raise ProtocolError("malformed request: request_id must be an integer in [1, 2**63)")
     if type(op) is not str or op not in REQUESTS:
-        raise ProtocolError(f"unknown operation {op!r}; known: {', '.join(sorted(REQUESTS))}")
+        raise ProtocolError(f"unknown operation {_short(op)}; known: "
+                            f"{', '.join(sorted(REQUESTS))}")
     if type(body) not in _SEQ:
         raise _bad(f"{op} request body", "a list", body)
     releases: Sequence[int] = ()
