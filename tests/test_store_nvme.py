@@ -17,7 +17,8 @@ from infinity.errors import (
     StoreFullError,
 )
 from infinity.io import IOEngine
-from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier, TensorLayout
+from infinity.store.nvme import (EXTENT_FILE_NAME, NvmeTier, TensorLayout, deal_stripes,
+                                 stripe_totals)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64,
           torch.float64, torch.bool, torch.complex64]
@@ -289,3 +290,21 @@ def test_room_grown_for_an_allocation_and_taken_by_another_thread_is_grown_again
     layout = tier.allocate(3 * MiB)  # GrowthNeeded escaped to this caller, which asked to grow
     assert others and others[0] is not None
     assert layout.nbytes == 3 * MiB and not {e for _, e in layout.extents} & set(others)
+
+
+@pytest.mark.parametrize("capacity_bytes,stripe_bytes,num_slots", [
+    (4096, MiB, 3), (MiB, MiB, 2), (5 * MiB + 4096, MiB, 2), (7 * MiB, MiB, 3),
+    (3 * 4096, 4096, 5), (10 * MiB - 8192, 2 * MiB, 4)])
+def test_stripe_totals_are_what_dealing_the_stripes_gives_each_slot(
+        capacity_bytes: int, stripe_bytes: int, num_slots: int) -> None:
+    dealt: dict[int, int] = {}
+    for slot, _, length in deal_stripes(capacity_bytes, stripe_bytes, num_slots):
+        dealt[slot] = dealt.get(slot, 0) + length
+    assert stripe_totals(capacity_bytes, stripe_bytes, num_slots) == dealt
+
+
+def test_a_tensor_larger_than_a_directory_may_ever_hold_is_refused_before_any_work(
+        engine, disk_tmp) -> None:
+    tier = make_tier(engine, disk_tmp, capacity_bytes_per_dir=4 * MiB)
+    with pytest.raises(StoreFullError, match="more than its nvme.capacity_bytes_per_dir"):
+        tier.allocate(1 << 50)  # dealt stripe by stripe, this took minutes and gigabytes

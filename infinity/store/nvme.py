@@ -103,6 +103,18 @@ def deal_stripes(capacity_bytes: int, stripe_bytes: int, num_slots: int) -> list
     return plan
 
 
+def stripe_totals(capacity_bytes: int, stripe_bytes: int, num_slots: int) -> dict[int, int]:
+    """Bytes per slot of `deal_stripes(...)`, computed without dealing: a size checked before
+    allocating must not cost a list of one entry per stripe."""
+    num_stripes = -(-capacity_bytes // stripe_bytes)
+    num_slots = max(1, min(num_slots, num_stripes))
+    totals = {slot: (num_stripes // num_slots + (slot < num_stripes % num_slots)) * stripe_bytes
+              for slot in range(num_slots)}
+    short = num_stripes * stripe_bytes - capacity_bytes  # the last stripe's missing bytes
+    totals[(num_stripes - 1) % num_slots] -= short
+    return {slot: total for slot, total in totals.items() if total}
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     """Where a tensor's bytes live on the NVMe tier, and their checksums."""
@@ -342,9 +354,14 @@ class NvmeTier:
         if nbytes <= 0:
             raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
         capacity = round_up(nbytes, PAGE_BYTES)
-        per_dir: dict[int, int] = {}
-        for d, _, length in deal_stripes(capacity, self.stripe_bytes, len(self.directories)):
-            per_dir[d] = per_dir.get(d, 0) + length
+        per_dir = stripe_totals(capacity, self.stripe_bytes, len(self.directories))
+        for d, length in per_dir.items():
+            directory = self.directories[d]
+            if length > directory.capacity_bytes:
+                raise StoreFullError(
+                    f"a tensor of {nbytes} bytes needs {length} in {directory.path}, more than "
+                    f"its nvme.capacity_bytes_per_dir of {directory.capacity_bytes}; raise that "
+                    f"setting or add directories to nvme.dirs")
         while True:
             try:
                 return self._allocate_once(nbytes, per_dir, grow=grow)
