@@ -394,6 +394,27 @@ def test_a_flush_after_an_in_place_edit_ended_writes_the_new_bytes_instead_of_re
         assert bool((v == 2).all())
 
 
+def test_a_stream_closed_before_its_open_was_answered_is_refused_and_the_open_still_answered(
+        store: Store) -> None:
+    daemon = store.start(**{"nvme.stream_chunk_bytes": MiB})
+    with daemon.connect() as client:
+        channel = client._channel()
+        opening = next(client._request_ids)
+        # Staged (larger than a chunk): its extents come after the store file grows.
+        channel.send(opening, wire.StreamOpen("default", "big", "write", "uint8", (64 * MiB,)),
+                     expect_reply=True)
+        closing = next(client._request_ids)
+        channel.send(closing, wire.StreamClose(opening, True, False), expect_reply=True)
+        reply = channel.wait(closing, what="stream_close")
+        refused = reply.failure or reply.results[0]
+        assert type(refused) is wire.ItemError and refused.code == "lease"
+        assert "still opening" in refused.message
+        (opened,) = channel.wait(opening, what="stream_open").results
+        info = wire.StreamInfo.from_wire(opened)
+        assert client._close_stream(info, commit=False, durable=False) == 0
+        assert client.stats()["counters"]["open_streams"] == 0
+
+
 def test_deleting_a_flushed_tensor_removes_it_from_the_index(store: Store) -> None:
     daemon = store.start()
     with daemon.connect() as client:

@@ -66,6 +66,7 @@ class Stream:
     inflight: int = 0
     closing: Callable[[], None] | None = None  # runs once the last chunk in flight ends
     dead: bool = False  # closed or its client went away
+    opened: bool = False  # stream_open was answered: its slots exist
 
     def slot_placements(self) -> tuple[Placement, ...]:
         return tuple(Placement(s.segment, s.offset, s.length, "uint8", (s.length,), 0)
@@ -105,7 +106,7 @@ class StreamTable:
         self._streams[(client, stream_id)] = stream
         self.opened += 1
         if stream.direct and mode == "read":
-            done(self._info(stream))  # the resident version's slice is the one slot
+            self._opened(stream, done)  # the resident version's slice is the one slot
         else:
             self._fill_slots(stream, done)
 
@@ -166,7 +167,7 @@ class StreamTable:
                 self._got_extents(stream, layout, done) if error is None
                 else self._fail_open(stream, error, done)))
             return
-        done(self._info(stream))
+        self._opened(stream, done)
 
     def _got_extents(self, stream: Stream, layout: TensorLayout | None, done: Opened) -> None:
         assert layout is not None
@@ -176,12 +177,16 @@ class StreamTable:
         stream.layout = layout
         stream.crcs = crc_buffer(crc_blocks(stream.nbytes))
         stream.written = bytearray(-(-stream.nbytes // CRC_BLOCK_BYTES))
-        done(self._info(stream))
+        self._opened(stream, done)
 
     def _fail_open(self, stream: Stream, error: InfinityError, done: Opened) -> None:
         if not stream.dead:
             self._discard(stream)
             done(error)
+
+    def _opened(self, stream: Stream, done: Opened) -> None:
+        stream.opened = True
+        done(self._info(stream))
 
     def _info(self, stream: Stream) -> StreamInfo:
         version = stream.version.stamp if stream.version is not None else 0
@@ -194,6 +199,9 @@ class StreamTable:
         stream = self._streams.get((client, stream_id))
         if stream is None or stream.dead:
             raise LeaseError(f"stream {stream_id} is not open in this session (closed already?)")
+        if not stream.opened:
+            raise LeaseError(f"stream {stream_id} is still opening; wait for stream_open's answer "
+                             f"before sending its chunks or closing it")
         return stream
 
     def chunk(self, client: int, stream_id: int, slot: int, offset: int, nbytes: int,
