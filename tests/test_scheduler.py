@@ -239,6 +239,22 @@ def test_eviction_takes_the_farthest_next_use_first() -> None:
     assert sched.policy.choose_victims([order[2], order[4], order[0]], 2 * MiB) == [order[0], order[4]]
 
 
+def test_after_a_step_aborted_halfway_eviction_still_takes_what_is_read_last() -> None:
+    sched = scheduler()
+    order = keys(4)
+    for key in order:
+        make_resident(sched, key, 0.0)
+    now = run_step(sched, order, start_s=0.0)  # recorded
+    sched.step_begin(TRAINER, now)
+    for key in order[:2]:  # replayed up to t1, then the step fails (Client.step() aborts it)
+        now += 0.01
+        sched.touched(TRAINER, key, MiB, now)
+    sched.step_abort(TRAINER, now)
+    sched.step_begin(TRAINER, now + 0.01)  # the next step reads t0, t1, t2, t3
+    assert sched.policy.choose_victims(order, MiB) == [order[3]]
+    assert sched.policy.choose_victims(order, 2 * MiB) == [order[3], order[2]]
+
+
 def test_tensors_no_trace_needs_go_first_least_recently_used_first() -> None:
     sched = scheduler()
     order = keys(6)

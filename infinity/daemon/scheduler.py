@@ -424,11 +424,20 @@ class Scheduler:
         s = self._streams.get(stream)
         if s is None or s.state is _State.IDLE:
             return
+        replay = s.replay
+        # What the step did not get to is read next in the next step, not in this one: its
+        # next-use positions move on as _finish_step moves them.
+        unconsumed = ([e.key for e in replay.trace.entries[replay.position:]]
+                      if replay is not None and not replay.diverged else [])
         s.state = _State.IDLE
         s.replay = None
         s.recorder = None
         s.step_ended_s = now_s
         self._sync_index(s)
+        if s.indexed:
+            for key in unconsumed:
+                if key in self._resident:
+                    self._index_key(s, key)
 
     def remove_stream(self, stream: StreamKey) -> None:
         """Forget a stream altogether (one that cannot come back: its trace is not kept)."""
