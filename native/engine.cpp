@@ -283,13 +283,21 @@ void validate(const OpSpec& s, size_t i) {
 }  // namespace
 
 uint64_t Engine::submit(const std::vector<OpSpec>& specs) {
+  // One counter per checksum block is allocated below: the total is bounded, so that a sum
+  // that wrapped cannot size that array smaller than the ops write into it.
+  constexpr uint64_t kMaxCrcBlocks = uint64_t(1) << 32;
   uint64_t total_crc_blocks = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     validate(specs[i], i);
     const OpSpec& s = specs[i];
     if (s.crc_addr) {
+      const uint64_t nbytes = static_cast<uint64_t>(s.nbytes);
       const uint64_t cb = static_cast<uint64_t>(s.crc_block_bytes);
-      total_crc_blocks += (static_cast<uint64_t>(s.nbytes) + cb - 1) / cb;
+      const uint64_t blocks = nbytes / cb + (nbytes % cb != 0);
+      if (blocks > kMaxCrcBlocks - total_crc_blocks)
+        throw std::invalid_argument("op " + std::to_string(i) + ": the batch would have more than 2**32 "
+                                    "checksum blocks; pass a larger crc_block_bytes or split the batch");
+      total_crc_blocks += blocks;
     }
   }
 
@@ -417,8 +425,13 @@ WaitStatus Engine::wait(uint64_t batch_id, double timeout_s, BatchResult* out) {
 
 void Engine::close() {
   {
-    std::lock_guard<std::mutex> st(state_mu_);
-    if (closed_) return;
+    std::unique_lock<std::mutex> st(state_mu_);
+    if (closed_) {
+      // Another caller is closing: return only once it is done, so that no caller takes the
+      // buffers of ops still in flight for free.
+      close_cv_.wait(st, [this] { return close_done_; });
+      return;
+    }
     closed_ = true;
   }
   cancel_queue(async_q_);
@@ -426,9 +439,16 @@ void Engine::close() {
   stop_threads();
   rings_.clear();
   aio_.clear();
-  std::lock_guard<std::mutex> lk(done_mu_);
-  if (efd_ >= 0) (void)::close(efd_);  // nothing useful to do if close() of an eventfd fails
-  efd_ = -1;
+  {
+    std::lock_guard<std::mutex> lk(done_mu_);
+    if (efd_ >= 0) (void)::close(efd_);  // nothing useful to do if close() of an eventfd fails
+    efd_ = -1;
+  }
+  {
+    std::lock_guard<std::mutex> st(state_mu_);
+    close_done_ = true;
+  }
+  close_cv_.notify_all();
 }
 
 void Engine::cancel_queue(WorkQueue& q) {

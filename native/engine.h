@@ -178,8 +178,10 @@ class Engine {
   std::vector<std::thread> async_threads_;
   std::vector<std::thread> sync_threads_;
 
-  std::mutex state_mu_;  // closed_, starting the sync pool, enqueueing
+  std::mutex state_mu_;  // closed_, close_done_, starting the sync pool, enqueueing
   bool closed_ = false;
+  bool close_done_ = false;  // the first close() finished; later callers wait for it
+  std::condition_variable close_cv_;
   bool sync_started_ = false;
 
   std::mutex done_mu_;  // batches_, completed_, Batch::done, efd_

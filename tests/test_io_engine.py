@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -380,3 +381,107 @@ def test_engine_refuses_work_in_a_forked_child(engine: IOEngine) -> None:
         os._exit(1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# --- review findings: overflow, concurrent close, interrupts, fork ---------------------------
+
+
+def test_a_batch_with_more_checksum_blocks_than_it_can_count_is_refused() -> None:
+    from infinity import _native
+
+    engine = _native.Engine(1, 4, 4096, "threads")
+    crcs = aligned_empty(16)
+    huge = (1 << 63) - 1
+    ops = [(False, 0, crcs.data_ptr(), huge, 0, False, crcs.data_ptr(), 1)] * 2
+    with pytest.raises(ValueError, match="more than 2\\*\\*32 checksum blocks"):
+        engine.submit(ops)  # the block count summed past 2**64: a tiny array, written past
+    engine.close()
+
+
+def test_a_second_close_returns_only_once_the_ops_in_flight_have_ended(
+        pipe_engine: tuple[IOEngine, int, int]) -> None:
+    eng, r, w = pipe_engine
+    buf = aligned_empty(4096)
+    future = eng.submit(pipe_read(r, buf), keepalive=buf)
+    wait_until_worker_blocks_in_io()
+    closers = [threading.Thread(target=eng.close) for _ in range(2)]
+    for closer in closers:
+        closer.start()
+    closers[1].join(timeout=0.3)  # a bounded look: it must still be waiting for the read
+    assert closers[1].is_alive() and closers[0].is_alive()
+    os.write(w, b"c" * 4096)
+    for closer in closers:
+        closer.join(timeout=60)
+    assert not any(closer.is_alive() for closer in closers)
+    future.result(60)
+    assert bytes(buf.tolist()) == b"c" * 4096
+
+
+def test_a_callback_raising_keyboard_interrupt_in_poll_leaves_no_future_unresolved(
+        engine: IOEngine) -> None:
+    first, second = engine.submit([]), engine.submit([])  # empty batches complete at once
+
+    def interrupt(_: IOFuture) -> None:
+        raise KeyboardInterrupt
+
+    first.add_done_callback(interrupt)
+    while engine.pending() == 2 and not select.select([engine.completion_fd], [], [], 5)[0]:
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        while engine.pending():
+            engine.poll()
+    second.result(timeout_s=5)
+    assert engine.pending() == 0
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_signal_handler_runs_while_result_waits_and_the_result_is_kept(
+        pipe_engine: tuple[IOEngine, int, int]) -> None:
+    eng, r, w = pipe_engine
+    buf = aligned_empty(4096)
+    future = eng.submit(pipe_read(r, buf), keepalive=buf)
+    wait_until_worker_blocks_in_io()
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(Interrupted):
+            future.result()  # no timeout: the wait used to hold the handler off until the read
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not future.done()
+    os.write(w, b"s" * 4096)
+    future.result(60)
+    assert bytes(buf.tolist()) == b"s" * 4096
+
+
+@pytest.mark.parametrize("backend_name,used", [("threads", False), ("io_uring", True)])
+def test_a_forked_child_that_inherits_an_engine_exits_cleanly(
+        disk_tmp: str, backend_name: str, used: bool) -> None:
+    if backend_name == "io_uring" and not probe_io_uring()[0]:
+        pytest.skip("io_uring is not usable here")
+    script = textwrap.dedent(f"""
+        import os, sys
+        from infinity.io import IOEngine, IOOp, aligned_empty
+        engine = IOEngine(backend={backend_name!r}, num_threads=2, queue_depth=4)
+        if {used!r}:  # a buffered op: its thread pool exists too
+            buf = aligned_empty(4096)
+            fd = os.open(os.path.join({disk_tmp!r}, "f"), os.O_RDWR | os.O_CREAT, 0o600)
+            engine.run(IOOp.write(fd=fd, address=buf.data_ptr(), nbytes=4096, offset=0,
+                                  direct=False))
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # an ordinary exit: the inherited engine is finalized with the rest
+        _, status = os.waitpid(pid, 0)
+        engine.close()
+        print("child", status)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "child 0", result.stderr[-2000:]

@@ -101,6 +101,22 @@ SCRIPT = textwrap.dedent(
             assert eng.wait(b)[0] in (0, errno.ECANCELED)
         os.close(fd)
 
+    # A batch whose checksum blocks would not fit a counter is refused, nothing allocated short.
+    bounded = n.Engine(1, 4, 4096, "threads")
+    huge = (1 << 63) - 1
+    try:
+        bounded.submit([(False, 0, dst.address, huge, 0, False, ctypes.addressof(crcs), 1)] * 2)
+        raise SystemExit("checksum block count not bounded")
+    except ValueError:
+        pass
+    # close() from several threads at once: each returns once the engine is closed.
+    import threading
+    closers = [threading.Thread(target=bounded.close) for _ in range(3)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join()
+
     # Streaming copy: odd sizes, odd offsets, split across threads.
     big = n.AlignedBuffer(40 * MiB + 8192)
     out = n.AlignedBuffer(40 * MiB + 8192)

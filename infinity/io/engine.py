@@ -2,15 +2,23 @@
 
 It owns the map from batch id to future. The daemon's loop registers
 `completion_fd` with its poller and calls `poll()` when it becomes
-readable; other callers simply block in `IOFuture.result()`.
+readable; other callers simply block in `IOFuture.result()`, which waits in
+slices of `WAIT_SLICE_S` so that Ctrl-C and signal handlers get through.
+
+A forked child inherits the engine's memory but not its threads: the native
+engine of every live `IOEngine` is left alone there, never destroyed (its
+destructor would join threads and destroy condition variables that only the
+parent has), and the child's `submit` says to make a new engine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import threading
 import time
+import weakref
 from types import TracebackType
 from typing import Iterable
 
@@ -19,6 +27,19 @@ from infinity.errors import AlignmentError, IOEngineError
 from infinity.io.future import IOFuture
 from infinity.io.native import NativeEngine, native
 from infinity.io.ops import IOOp
+
+WAIT_SLICE_S = 0.1
+
+_live: weakref.WeakSet[IOEngine] = weakref.WeakSet()
+
+
+def _abandon_in_child() -> None:
+    for engine in list(_live):
+        # One more reference that nothing drops: the child never runs the native destructor.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(engine._native))
+
+
+os.register_at_fork(after_in_child=_abandon_in_child)
 
 
 class IOEngine:
@@ -58,6 +79,7 @@ class IOEngine:
         self._futures: dict[int, IOFuture] = {}
         self._closed = False
         self._pid = os.getpid()  # the worker threads do not survive fork()
+        _live.add(self)
 
     @classmethod
     def from_config(cls, config: IOConfig) -> IOEngine:
@@ -135,9 +157,19 @@ class IOEngine:
         Returns how many futures it resolved.
         """
         resolved = 0
-        for batch_id, err, message in self._native.poll():
-            if self._resolve(batch_id, err, message):
-                resolved += 1
+        done = iter(self._native.poll())  # taken out of the native engine: only here now
+        try:
+            for batch_id, err, message in done:
+                if self._resolve(batch_id, err, message):
+                    resolved += 1
+        finally:
+            # A callback that raised KeyboardInterrupt (or SystemExit) must not leave the
+            # futures of the rest unresolved for ever: they are resolved before it goes on.
+            for batch_id, err, message in done:
+                try:
+                    self._resolve(batch_id, err, message)
+                except BaseException:  # noqa: BLE001 - the first one is the one raised
+                    pass
         return resolved
 
     def pending(self) -> int:
@@ -151,34 +183,52 @@ class IOEngine:
         return future is not None and future._resolve(err, message)
 
     def _collect(self, future: IOFuture, timeout_s: float | None) -> None:
-        # No Python lock is held while the native wait blocks (GIL released).
+        # No Python lock is held while the native wait blocks (GIL released). It waits in
+        # slices: the native wait cannot be interrupted, and a signal's Python handler (Ctrl-C)
+        # runs only between them, while the batch's result stays in the engine.
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            err, message = self._native.wait(future.batch_id, -1.0 if timeout_s is None else max(0.0, timeout_s))
-        except TimeoutError:
-            raise TimeoutError(
-                f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
-            ) from None
-        except KeyError:
-            # poll() or another waiter took the result and is resolving it now.
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not future._wait_resolved(remaining):
-                raise TimeoutError(
-                    f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
-                ) from None
+        while True:
+            remaining = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                err, message = self._native.wait(future.batch_id, min(WAIT_SLICE_S, remaining))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
+                    ) from None
+                continue
+            except KeyError:
+                # poll() or another waiter took the result and is resolving it now.
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not future._wait_resolved(left):
+                    raise TimeoutError(
+                        f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
+                    ) from None
+                return
+            self._resolve(future.batch_id, err, message)
             return
-        self._resolve(future.batch_id, err, message)
 
     # --- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Cancel queued ops (their futures fail), wait for those in flight, stop the threads."""
+        """Cancel queued ops (their futures fail), wait for those in flight, stop the threads.
+        A close from several threads at once returns in each once all of that is done."""
+        if os.getpid() != self._pid:
+            self._closed = True  # the parent's engine: nothing of it runs here
+            return
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-        self._native.close()
+        self._native.close()  # a second caller waits there for the first
         self.poll()
+
+    def __del__(self) -> None:
+        # Closed here, with the GIL released while its threads are joined, rather than by the
+        # native object's deallocation, which would hold the GIL until the I/O in flight ends.
+        try:
+            if not self._closed and os.getpid() == self._pid:
+                self._native.close()
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
 
     def __enter__(self) -> IOEngine:
         return self
