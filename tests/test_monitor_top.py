@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 from typing import Any
 
+import pytest
 import torch
+from rich.console import Console
 
 from infinity.client.launch import settings_as_flags
+from infinity.monitor.collector import Snapshot
+from infinity.monitor.top import render
 
 
 def run_top(config: Any, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -37,3 +42,32 @@ def test_absent_daemon_is_reported_not_raised(daemon: Any) -> None:
     result = run_top(daemon.config, "--json")
     snapshot = json.loads(result.stdout)
     assert result.returncode == 1 and "no infinityd is running" in snapshot["error"]
+
+
+def drawn(stats: dict[str, Any]) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render(Snapshot(0.0, stats=stats)))
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def test_the_nvme_row_counts_the_daemons_directories(nvme_daemon: Any) -> None:
+    client = nvme_daemon.connect("top")
+    assert "1 directories" in drawn(client.stats())
+    client.close()
+
+
+@pytest.mark.parametrize("stats", [
+    {"daemon": None, "tiers": None, "clients": None, "counters": None},
+    {"tiers": {"cpu": None, "nvme": {"dirs": None}}, "clients": [None, "x", {"name": 3}]},
+    {"scheduler": {"clients": [{"totals": None}, None]}},
+    {},
+])
+def test_values_missing_or_of_another_kind_are_drawn_as_dashes(stats: dict[str, Any]) -> None:
+    assert "-" in drawn(stats)  # nothing raised
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "soon"])
+def test_an_interval_that_is_not_a_positive_number_is_refused_with_a_usage_error(
+        daemon: Any, interval: str) -> None:
+    result = run_top(daemon.config, "--interval-s", interval)
+    assert result.returncode == 2 and "is not a positive number of seconds" in result.stderr

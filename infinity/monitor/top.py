@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any, Sequence
@@ -25,33 +26,47 @@ def _mib(value: Any) -> str:
     return f"{value / MiB:,.1f} MiB" if isinstance(value, (int, float)) else "-"
 
 
+def _table(value: Any, key: str) -> dict[str, Any]:
+    """value[key] when both are tables, else an empty one: a value missing or of another kind
+    (an older or newer daemon) shows as "-", never as an error."""
+    inner = value.get(key) if isinstance(value, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def _rows(value: Any, key: str) -> list[dict[str, Any]]:
+    inner = value.get(key) if isinstance(value, dict) else None
+    return ([row for row in inner if isinstance(row, dict)] if isinstance(inner, (list, tuple))
+            else [])
+
+
 def render(snapshot: Snapshot) -> Group:
     if snapshot.error is not None:
         return Group(f"[yellow]infinityd: {snapshot.error}")
-    stats = snapshot.stats
-    daemon = stats.get("daemon", {})
+    stats = snapshot.stats if isinstance(snapshot.stats, dict) else {}
+    daemon = _table(stats, "daemon")
     head = (f"[bold]infinityd[/] {daemon.get('version', '-')}  pid {daemon.get('pid', '-')}  "
             f"up {daemon.get('uptime_s', '-')} s  {daemon.get('runtime_dir', '-')}")
     tiers = Table(title="tiers")
     for column in ("tier", "used", "budget / capacity", "detail"):
         tiers.add_column(column)
-    cpu = stats.get("tiers", {}).get("cpu", {})
+    cpu = _table(_table(stats, "tiers"), "cpu")
     tiers.add_row("cpu", _mib(cpu.get("used_bytes")), _mib(cpu.get("budget_bytes")),
                   f"{cpu.get('num_segments', '-')} segments, {cpu.get('resident_tensors', '-')} resident")
-    nvme = stats.get("tiers", {}).get("nvme")
+    nvme = _table(stats, "tiers").get("nvme")
     if isinstance(nvme, dict):
+        dirs = nvme.get("dirs")
         tiers.add_row("nvme", _mib(nvme.get("used_bytes")), _mib(nvme.get("capacity_bytes")),
-                      f"{len(nvme.get('directories', []) or [])} directories")
+                      f"{len(dirs) if isinstance(dirs, (list, tuple)) else '-'} directories")
     clients = Table(title="clients")
     for column in ("id", "name", "pid", "leases", "reservations", "idle s"):
         clients.add_column(column)
-    for c in stats.get("clients", []):
+    for c in _rows(stats, "clients"):
         clients.add_row(*(str(c.get(k, "-")) for k in ("id", "name", "pid", "leases", "reservations", "idle_s")))
     parts: list[Any] = [head, tiers, clients]
     scheduler = stats.get("scheduler")
     if isinstance(scheduler, dict):
         parts.append(_scheduler_table(scheduler))
-    counters = stats.get("counters", {})
+    counters = _table(stats, "counters")
     totals = Table(title="counters")
     totals.add_column("counter")
     totals.add_column("value")
@@ -69,8 +84,8 @@ def _scheduler_table(scheduler: dict[str, Any]) -> Table:
     for column in ("namespace", "client", "state", "steps", "trace", "hits", "in flight",
                    "misses", "stall s", "lookahead"):
         table.add_column(column)
-    for entry in scheduler.get("clients", []):
-        totals = entry.get("totals", {})
+    for entry in _rows(scheduler, "clients"):
+        totals = _table(entry, "totals")
         hits = (totals.get("prefetch_hits", 0) or 0) + (totals.get("resident_hits", 0) or 0)
         stall = totals.get("stall_s")
         table.add_row(str(entry.get("namespace", "-")), str(entry.get("client", "-")),
@@ -83,13 +98,23 @@ def _scheduler_table(scheduler: dict[str, Any]) -> Table:
     return table
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infinity-top", description="Show what infinityd is doing.")
     parser.add_argument("--config", help="TOML config file (as for infinityd)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
-    parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("--interval-s", type=_positive_seconds, default=1.0)
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, overrides=args.overrides)
