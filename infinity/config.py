@@ -31,7 +31,12 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 ENV_PREFIX = "INFINITY_"
+MAX_SECONDS = 86400  # the longest any duration setting may be
 ENV_CONFIG_PATH = "INFINITY_CONFIG"
+# Variables with the prefix that name no setting: the config file's path, and those the
+# project's scripts, build, tests and benchmarks read. Any other INFINITY_* must be a setting.
+NOT_SETTINGS = frozenset({ENV_CONFIG_PATH, "INFINITY_VENV", "INFINITY_BUILD_JOBS",
+                          "INFINITY_NATIVE_ASAN", "INFINITY_TEST_DISK_DIR", "INFINITY_PEERS_DIR"})
 USER_CONFIG_PATH = Path("~/.config/infinity/infinity.toml")
 
 
@@ -323,9 +328,17 @@ def _coerce(table: str, key: str, raw: Any, *, from_text: bool) -> Any:
             return raw
         if kind in ("float", float):
             if from_text:
-                return float(raw)
-            _require(isinstance(raw, (int, float)) and not isinstance(raw, bool), f"{where} must be a number")
-            return float(raw)
+                number = float(raw)
+            else:
+                _require(isinstance(raw, (int, float)) and not isinstance(raw, bool),
+                         f"{where} must be a number")
+                number = float(raw)
+            # No setting means anything by inf or nan; an infinite timeout hung the client.
+            _require(math.isfinite(number), f"{where} must be a finite number, not {raw!r}")
+            seconds = key.endswith("_s") and not key.endswith("_per_s")
+            _require(not seconds or number <= MAX_SECONDS,
+                     f"{where} is {number:g} seconds; give at most {MAX_SECONDS} (a day)")
+            return number
         if kind in ("bool", bool):
             if from_text:
                 text = str(raw).strip().lower()
@@ -422,14 +435,22 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
     config_path = find_config_path(path, env=env)
     source = "defaults"
     if config_path is not None:
+        named_by = ("--config" if path else ENV_CONFIG_PATH if env.get(ENV_CONFIG_PATH)
+                    else "the default location")
         try:
             with open(config_path, "rb") as f:
                 document = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"config file {config_path} does not exist; create it or unset "
-                              f"{ENV_CONFIG_PATH}") from None
+            raise ConfigError(f"config file {config_path} (from {named_by}) does not exist; "
+                              f"create it or name another") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {config_path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {config_path} is not UTF-8 text ({exc.reason}); "
+                              f"save it as UTF-8 TOML") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {config_path} (from {named_by}) cannot be read: "
+                              f"{exc.strerror or exc}; name a readable TOML file") from None
         for table, entries in document.items():
             if not isinstance(entries, dict):
                 raise ConfigError(f"{config_path}: top-level key {table!r} must be a [table]")
@@ -438,7 +459,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
         source = str(config_path)
 
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_PATH:
+        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         rest = name[len(ENV_PREFIX):].lower()
         table, _, key = rest.partition("_")

@@ -120,3 +120,34 @@ def test_staging_bytes_must_be_positive() -> None:
     assert load_config(env={}).io.staging_bytes == 4 * 1024 * 1024
     with pytest.raises(ConfigError, match="io.staging_bytes must be between 1 and"):
         load_config(env={}, overrides=["io.staging_bytes=0"])
+
+
+@pytest.mark.parametrize("name", ["INFINITY_VENV", "INFINITY_BUILD_JOBS", "INFINITY_TEST_DISK_DIR",
+                                  "INFINITY_NATIVE_ASAN", "INFINITY_PEERS_DIR"])
+def test_the_variables_of_the_scripts_and_the_build_are_not_settings(name: str) -> None:
+    assert load_config(env={name: "/some/where"}) == load_config(env={})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e300"])
+def test_a_duration_must_be_finite_and_at_most_a_day(value: str) -> None:
+    with pytest.raises(ConfigError, match="daemon.request_timeout_s"):
+        load_config(env={}, overrides=[f"daemon.request_timeout_s={value}"])
+
+
+def test_a_rate_may_exceed_the_seconds_in_a_day() -> None:
+    config = load_config(env={}, overrides=["scheduler.initial_read_bandwidth_bytes_per_s=3e9"])
+    assert config.scheduler.initial_read_bandwidth_bytes_per_s == 3e9
+
+
+def test_a_config_path_that_is_a_folder_is_a_config_error_naming_its_source(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="from --config.*cannot be read"):
+        load_config(tmp_path, env={})
+    with pytest.raises(ConfigError, match="from INFINITY_CONFIG.*cannot be read"):
+        load_config(env={"INFINITY_CONFIG": str(tmp_path)})
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[daemon]\nlog_level = \"caf\xe9\"\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(path, env={})
