@@ -400,6 +400,25 @@ def settings_text(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def settings_as_toml(config: InfinityConfig) -> str:
+    """Every setting as the TOML file `load_config` reads back to the same values: unlike the
+    text of flags, it carries any path (a comma or a colon in a folder's name) as it is."""
+    import tomlkit  # only this and `infinity tune` write TOML
+
+    document = tomlkit.document()
+    for table in TABLES:
+        section = tomlkit.table()
+        for key, value in dataclasses.asdict(getattr(config, table)).items():
+            if _fields(table)[key].type == "tuple[tuple[str, int], ...]":
+                pairs = tomlkit.inline_table()
+                pairs.update({name: number for name, number in value})
+                section[key] = pairs
+            else:
+                section[key] = list(value) if isinstance(value, tuple) else value
+        document[table] = section
+    return tomlkit.dumps(document)
+
+
 def _apply(values: dict[str, dict[str, Any]], table: str, key: str, raw: Any, *,
            from_text: bool, origin: str) -> None:
     if table not in TABLES:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity.config import load_config
+from infinity.config import TABLES, load_config, settings_as_toml
 from infinity.errors import ConfigError
 
 
@@ -151,3 +151,15 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> Non
     path.write_bytes("[daemon]\nlog_level = \"caf\xe9\"\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config(path, env={})
+
+
+def test_settings_written_as_toml_read_back_the_same(tmp_path: Path) -> None:
+    config = load_config(env={}, overrides={
+        "nvme.dirs": ["/data/a,b", "/mnt/c:d", " spaced "], "cpu.budget_bytes": 3 << 30,
+        "scheduler.namespace_quota_bytes": {"weights": 1 << 30, "optim": 2 << 30},
+        "daemon.log_level": "debug", "scheduler.lookahead_min_s": 0.25})
+    path = tmp_path / "all.toml"
+    path.write_text(settings_as_toml(config))
+    again = load_config(path, env={})
+    for table in TABLES:
+        assert getattr(again, table) == getattr(config, table)

@@ -166,3 +166,68 @@ def test_systemd_unit_runs_the_daemon_with_unlimited_memlock() -> None:
     with open(path) as f:
         unit = f.read()
     assert "LimitMEMLOCK=infinity" in unit and "infinityd run" in unit
+
+
+def test_several_starts_at_once_start_one_daemon_and_all_succeed(cli: Cli) -> None:
+    command = [sys.executable, "-m", "infinity.daemon.main", "start", "--config",
+               cli.settings_file, *_flags(cli.settings)]
+    starters = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=clean_environment()) for _ in range(3)]
+    outcomes = [(p.wait(timeout=60), p.stdout.read(), p.stderr.read())  # type: ignore[union-attr]
+                for p in starters]
+    assert all(code == 0 for code, _, _ in outcomes), outcomes
+    assert sum("infinityd started" in out for _, out, _ in outcomes) == 1
+    assert sum("already running" in out for _, out, _ in outcomes) == 2
+
+
+def test_connect_with_start_gives_the_daemon_exactly_its_settings(
+        cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Neither a broken default config file nor INFINITY_* variables reach the daemon it starts,
+    # and a store folder whose name has a comma and a colon stays one folder.
+    home = os.path.join(cli.root, "home")
+    os.makedirs(os.path.join(home, ".config", "infinity"))
+    with open(os.path.join(home, ".config", "infinity", "infinity.toml"), "w") as f:
+        f.write("[io]\nqueue_dept = 8\n")
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.setenv("INFINITY_IO_QUEUE_DEPTH", "not a number")
+    store = os.path.join(cli.root, "store,one:two")
+    os.mkdir(store)
+    config = load_config(cli.settings_file, env={},
+                         overrides={**cli.settings, "nvme.dirs": [store], "io.queue_depth": 7})
+    with infinity.connect(config=config, start=True, name="starter") as client:
+        stats = client.stats()
+    assert [d["path"] for d in stats["tiers"]["nvme"]["dirs"]] == [store]
+
+
+def test_a_runtime_folder_that_is_a_file_is_a_config_error_everywhere(cli: Cli) -> None:
+    os.makedirs(cli.root, exist_ok=True)
+    with open(cli.config.daemon.runtime_dir, "w") as f:
+        f.write("not a folder")
+    try:
+        for command in ("start", "status", "stop", "run"):
+            result = cli(command)
+            assert result.returncode != 0 and "is not a folder" in result.stderr, (command, result)
+            assert "Traceback" not in result.stderr
+        with pytest.raises(ConfigError, match="is not a folder"):
+            infinity.connect(config=cli.config)
+    finally:
+        os.unlink(cli.config.daemon.runtime_dir)
+
+
+def test_a_client_refuses_a_runtime_folder_others_may_write(daemon: Any) -> None:
+    os.chmod(daemon.runtime_dir, 0o777)
+    try:
+        with pytest.raises(ConfigError, match="may be written by other users"):
+            daemon.connect("wary")
+    finally:
+        os.chmod(daemon.runtime_dir, 0o700)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_client_refuses_a_runtime_folder_of_another_user(daemon: Any) -> None:
+    os.chown(daemon.runtime_dir, 65534, -1)
+    try:
+        with pytest.raises(ConfigError, match="belongs to uid 65534"):
+            daemon.connect("wary")
+    finally:
+        os.chown(daemon.runtime_dir, os.geteuid(), -1)

@@ -1,17 +1,22 @@
 """Starting infinityd on a client's behalf (`infinity.connect(start=True)`).
 
 The client never imports the daemon: it runs `infinityd start` as a separate
-program with every setting passed as a `--set` flag, so the daemon runs with
-exactly the client's settings, and returns once the daemon answers.
+program with every setting in a TOML file of its own (`--config`), and none of
+the `INFINITY_*` setting variables, so the daemon runs with exactly the
+client's settings, whatever the default config file or the environment hold,
+and returns once the daemon answers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+import tempfile
 
-from infinity.config import TABLES, InfinityConfig, settings_text
+from infinity.config import (ENV_CONFIG_PATH, ENV_PREFIX, NOT_SETTINGS, TABLES, InfinityConfig,
+                             settings_as_toml, settings_text)
 from infinity.errors import DaemonUnavailableError
 from infinity.protocol.paths import child_environment
 
@@ -27,14 +32,24 @@ def settings_as_flags(config: InfinityConfig) -> list[str]:
 
 def start_daemon(config: InfinityConfig) -> None:
     """Run `infinityd start` with these settings; DaemonUnavailableError with its words if it fails."""
-    command = [sys.executable, "-m", "infinity.daemon.main", "start", *settings_as_flags(config)]
+    env = {name: value for name, value in child_environment().items()
+           if not name.startswith(ENV_PREFIX) or (name in NOT_SETTINGS and name != ENV_CONFIG_PATH)}
+    fd, path = tempfile.mkstemp(prefix="infinityd-start-", suffix=".toml")  # 0600
     try:
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=child_environment(),
-                              timeout=config.daemon.start_timeout_s + 10)
+        with os.fdopen(fd, "w") as f:
+            f.write(settings_as_toml(config))
+        command = [sys.executable, "-m", "infinity.daemon.main", "start", "--config", path]
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              env=env, timeout=config.daemon.start_timeout_s + 10)
     except subprocess.TimeoutExpired:
         raise DaemonUnavailableError(
             f"infinityd did not start within {config.daemon.start_timeout_s:g}s "
             f"(daemon.start_timeout_s)") from None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"could not run infinityd ({exc}); is Infinity installed "
+                                     f"for {sys.executable}?") from None
+    finally:
+        os.unlink(path)  # read: the daemon answered (or gave up) before `start` returned
     if done.returncode != 0:
         raise DaemonUnavailableError(
             f"could not start infinityd: {(done.stderr or done.stdout).strip()}")

@@ -9,6 +9,7 @@ reports why it did not, with the tail of its log).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -18,7 +19,7 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from infinity.errors import ConfigError, DaemonAlreadyRunningError, DaemonUnavailableError
 from infinity.protocol.paths import RuntimeLayout, child_environment
@@ -31,8 +32,15 @@ LOCK_RETRY_S = 0.5
 def prepare_runtime_dir(layout: RuntimeLayout) -> None:
     """Create the runtime folder private to this user (0700), or check an existing one."""
     layout.check()
-    os.makedirs(layout.root, mode=0o700, exist_ok=True)
-    info = os.stat(layout.root)
+    try:
+        os.makedirs(layout.root, mode=0o700, exist_ok=True)
+        info = os.stat(layout.root)
+    except FileExistsError:
+        raise ConfigError(f"daemon.runtime_dir {layout.root} is not a folder; remove it or "
+                          f"choose another daemon.runtime_dir") from None
+    except OSError as exc:
+        raise ConfigError(f"daemon.runtime_dir {layout.root} cannot be created "
+                          f"({exc.strerror}); choose a folder you may write") from None
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(f"daemon.runtime_dir {layout.root} is not a directory")
     if info.st_uid != os.geteuid():
@@ -52,23 +60,18 @@ class RuntimeLock:
 
     def acquire(self) -> None:
         fd = os.open(self.layout.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + LOCK_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    pid = self.layout.read_pid()
-                    raise DaemonAlreadyRunningError(
-                        f"infinityd{f' (pid {pid})' if pid else ''} already serves "
-                        f"{self.layout.root}; stop it with `infinityd stop` or choose another "
-                        f"daemon.runtime_dir") from None
-                time.sleep(0.01)
+        try:
+            locked = _flock_within(fd, LOCK_RETRY_S)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
+            os.close(fd)
+            pid = self.layout.read_pid()
+            raise DaemonAlreadyRunningError(
+                f"infinityd{f' (pid {pid})' if pid else ''} already serves "
+                f"{self.layout.root}; stop it with `infinityd stop` or choose another "
+                f"daemon.runtime_dir")
         self._fd = fd
         tmp = self.layout.pid_path + ".tmp"
         with open(tmp, "w") as f:
@@ -84,6 +87,37 @@ class RuntimeLock:
             pass
         os.close(self._fd)  # drops the flock
         self._fd = None
+
+
+@contextlib.contextmanager
+def start_lock(layout: RuntimeLayout, *, timeout_s: float) -> Iterator[None]:
+    """Held from the check for a running daemon until the one started serves, so that several
+    `infinityd start` (several `connect(start=True)`) at once start one daemon, and the others
+    find it serving."""
+    fd = os.open(layout.start_lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if not _flock_within(fd, timeout_s):
+            raise DaemonUnavailableError(
+                f"another `infinityd start` in {layout.root} did not finish within "
+                f"{timeout_s:g}s (daemon.start_timeout_s); see {layout.log_path}")
+        yield
+    finally:
+        os.close(fd)  # drops the flock
+
+
+def _flock_within(fd: int, timeout_s: float) -> bool:
+    """Take an exclusive flock on `fd`, retrying for `timeout_s`; False if it stayed taken."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def _log_tail(layout: RuntimeLayout, lines: int = 15) -> str:

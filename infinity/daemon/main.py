@@ -66,15 +66,17 @@ def _start(config: InfinityConfig, args: argparse.Namespace) -> int:
 
     layout = RuntimeLayout(config.daemon.runtime_dir)
     layout.check()
-    if layout.daemon_running():
-        print(f"infinityd is already running (pid {layout.read_pid()}) at {layout.root}")
-        return 0
-    run_args: list[str] = []
-    if args.config:
-        run_args += ["--config", args.config]
-    for override in args.overrides:
-        run_args += ["--set", override]
-    pid = lifecycle.start_background(layout, run_args, timeout_s=config.daemon.start_timeout_s)
+    lifecycle.prepare_runtime_dir(layout)
+    with lifecycle.start_lock(layout, timeout_s=config.daemon.start_timeout_s):
+        if layout.daemon_running():  # started by whoever held the start lock before this
+            print(f"infinityd is already running (pid {layout.read_pid()}) at {layout.root}")
+            return 0
+        run_args: list[str] = []
+        if args.config:
+            run_args += ["--config", args.config]
+        for override in args.overrides:
+            run_args += ["--set", override]
+        pid = lifecycle.start_background(layout, run_args, timeout_s=config.daemon.start_timeout_s)
     print(f"infinityd started (pid {pid}) at {layout.root}; log: {layout.log_path}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from dataclasses import dataclass
 
 from infinity.errors import ConfigError
@@ -48,6 +49,11 @@ class RuntimeLayout:
     def log_path(self) -> str:
         return os.path.join(self.root, "infinityd.log")
 
+    @property
+    def start_lock_path(self) -> str:
+        """Held by an `infinityd start` from its check for a daemon until that daemon serves."""
+        return os.path.join(self.root, "start.lock")
+
     def check(self) -> None:
         """ConfigError when a socket path would not fit a Unix socket address."""
         for path in (self.control_path, self.fds_path):
@@ -56,8 +62,31 @@ class RuntimeLayout:
                     f"daemon.runtime_dir {self.root!r} is too long: the socket path {path!r} must "
                     f"be at most {MAX_SOCKET_PATH_BYTES} bytes; choose a shorter daemon.runtime_dir")
 
+    def check_private(self) -> None:
+        """ConfigError when the folder exists but is not a private folder of this user: a
+        client must not talk to sockets that someone else may have put there."""
+        try:
+            info = os.stat(self.root)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ConfigError(f"daemon.runtime_dir {self.root} cannot be used ({exc.strerror}); "
+                              f"choose a folder of your own") from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"daemon.runtime_dir {self.root} is not a folder; remove it or "
+                              f"choose another daemon.runtime_dir")
+        if info.st_uid != os.geteuid():
+            raise ConfigError(
+                f"daemon.runtime_dir {self.root} belongs to uid {info.st_uid}, not to you (uid "
+                f"{os.geteuid()}): its sockets may be anyone's; choose a folder of your own")
+        if stat.S_IMODE(info.st_mode) & 0o022:
+            raise ConfigError(
+                f"daemon.runtime_dir {self.root} may be written by other users (mode "
+                f"{stat.S_IMODE(info.st_mode):o}); `chmod 700 {self.root}` or choose another")
+
     def daemon_running(self) -> bool:
         """True while some infinityd holds this folder's lock (the lock is the truth, not the pid file)."""
+        self.check_private()
         try:
             fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
