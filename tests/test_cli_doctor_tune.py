@@ -76,6 +76,12 @@ def test_tune_refuses_a_missing_directory(disk_tmp: str) -> None:
     assert "not a directory" in result.stderr
 
 
+def test_tune_of_a_folder_where_no_file_can_be_made_says_so() -> None:
+    result = infinity_cli("tune", "--quick", "--dry-run", "/proc")  # a folder nobody may write
+    assert result.returncode == 2, result.stderr
+    assert "cannot create a probe file in /proc" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     # The CPU tier is memfd shared memory: shmem_enabled decides, not the anonymous-memory
     # setting. Sysfs is read through doctor._read, replaced here: the machine's own setting

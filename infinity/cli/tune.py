@@ -55,7 +55,12 @@ def _open_probe(directory: str) -> tuple[int, bool, str]:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600), True, path
     except OSError:
+        pass  # no O_DIRECT here (tmpfs, say): buffered, as the store would do
+    try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o600), False, path
+    except OSError as exc:
+        raise StoreDirectoryError(f"cannot create a probe file in {directory} ({exc.strerror}); "
+                                  f"pass a directory you may write, on the drive to tune") from None
 
 
 def measure(fd: int, direct: bool, buffer_address: int, file_bytes: int, setting: tuple[int, int, int]) -> Trial:
