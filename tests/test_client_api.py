@@ -320,3 +320,92 @@ def test_what_a_reserve_answered_after_the_client_gave_up_reserved_is_aborted(
     assert client.stats()["catalog"]["num_reservations"] == 0
     client.put("r", torch.ones(1021))  # the name is free to reserve again
     client.close()
+
+
+# --- what a PyTorch user may hand to put, get and read_into ----------------------------------
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+                 .view(torch.uint8).tolist())
+
+
+def test_a_conjugate_or_negative_view_is_stored_as_the_values_it_reads(client: Any) -> None:
+    x = torch.complex(torch.randn(1021), torch.randn(1021))
+    client.put("conj", x.conj())
+    client.put("neg", x.conj().imag)  # a negative view of the imaginary part
+    with client.get("conj") as conj, client.get("neg") as neg:
+        assert raw_bytes(conj) == raw_bytes(x.conj()) and raw_bytes(neg) == raw_bytes(-x.imag)
+
+
+def test_a_put_of_a_tensor_that_requires_grad_leaves_autograd_out_of_the_store(
+        client: Any) -> None:
+    w = torch.randn(31, 33, requires_grad=True)
+    client.put("w", w.t())
+    views = client.reserve({"g": (torch.float32, (33, 31))})
+    assert not views["g"].requires_grad and views["g"].grad_fn is None
+    torch.add(w.detach().t(), 1.0, out=views["g"])  # refused when the base carried a graph
+    client.commit("g")
+    with client.get("w") as stored:
+        assert not stored.requires_grad and torch.equal(stored, w.detach().t())
+
+
+def test_a_released_lease_used_again_is_a_lease_error(client: Any) -> None:
+    client.put("once", torch.ones(3))
+    lease = client.get("once")
+    lease.release()
+    with pytest.raises(LeaseError, match="was released"):
+        lease.tensor
+    with pytest.raises(LeaseError, match="call get\\(\\) again"):
+        with lease:
+            pass
+
+
+def test_puts_of_one_name_from_several_threads_all_succeed(client: Any) -> None:
+    errors: list[BaseException] = []
+
+    def put_often(value: float) -> None:
+        try:
+            for _ in range(25):
+                client.put("shared", torch.full((1021,), value))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put_often, args=(float(i),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with client.get("shared") as shared:
+        assert float(shared[0]) in {0.0, 1.0, 2.0, 3.0} and bool((shared == shared[0]).all())
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(5, device="meta"),
+    lambda: torch.ones(4, 4).to_sparse(),
+], ids=["meta", "sparse"])
+def test_a_tensor_without_dense_bytes_is_refused_with_advice(client: Any, make: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="meta device|to_dense"):
+        client.put("none", make())
+    assert not client.exists("none")
+
+
+def test_read_into_an_output_without_bytes_is_refused(client: Any) -> None:
+    client.put("r", torch.ones(8))
+    with pytest.raises(InvalidRequestError, match="meta device"):
+        client.read_into("r", torch.empty(8, device="meta"))
+
+
+def test_a_name_that_is_not_valid_text_is_refused_before_it_is_sent(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="not valid text"):
+        client.put("bad\ud800", torch.ones(2))
+    client.put("good", torch.ones(2))  # the connection serves on
+
+
+def test_a_batch_beyond_what_one_request_may_carry_is_refused_at_once(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="more than the 65536 one request may"):
+        client.get_many(["a"] * 65537)
+    with pytest.raises(InvalidRequestError, match="larger than the 16777216 one message may be"):
+        client.exists_many(["n" * 1000 + str(i) for i in range(20000)])
+    client.put("after", torch.ones(2))  # this thread's connection still has its session
+    assert client.exists("after")

@@ -52,7 +52,7 @@ from infinity.client.channel import Channel, LateReply
 from infinity.client.segments import SegmentMap, dtype_name
 from infinity.config import InfinityConfig, load_config
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
-                             InvalidRequestError, TierFullError)
+                             InvalidRequestError, LeaseError, TierFullError)
 from infinity.io import copy_into
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
@@ -65,6 +65,7 @@ Names = Union[str, Sequence[str]]
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 # Released shared leases wait for the next message up to this many, then go at once.
 MAX_PENDING_RELEASES = 4096
+_PUT_STRIPES = 64  # locks that puts of one name from several threads take in turn
 
 
 @dataclasses.dataclass
@@ -177,7 +178,12 @@ class Lease:
 
     @property
     def tensor(self) -> torch.Tensor:
+        self._check_held()
         return self.tensors[0]
+
+    def _check_held(self) -> None:
+        if self._released:
+            raise LeaseError("this lease was released, and its views with it; call get() again")
 
     @property
     def versions(self) -> list[int]:
@@ -195,6 +201,7 @@ class Lease:
         return [(p.version, p.edits) for p in map(Placement.from_wire, self._results)]
 
     def __enter__(self) -> Any:
+        self._check_held()
         return self.tensors[0] if self._single else self.tensors
 
     def __exit__(self, *exc_info: object) -> None:
@@ -229,6 +236,9 @@ class Client:
         # Spare reservations the daemon left after this client's puts, by (namespace, name):
         # the next put or reserve of the same dtype and shape fills one instead of asking.
         self._spares_lock = threading.Lock()
+        # A put reserves, fills and commits its names, and a session holds one reservation per
+        # name: puts of one name from several threads take turns (names share these stripes).
+        self._put_stripes = [threading.Lock() for _ in range(_PUT_STRIPES)]
         self._spares: dict[tuple[str, str], _Spare] = {}
         self._spare_max_age_s = config.daemon.client_timeout_s / 2  # until the welcome says
         self.steps_begun = 0  # step_begin calls so far (a DeviceCache asks anew at each)
@@ -552,7 +562,9 @@ class Client:
                 if type(result) is ItemError:
                     first_error = first_error or result
                 else:
-                    views[item.name] = self._view(Placement.from_wire(result))
+                    # Detached: a copy that records autograd history into one of them must not
+                    # give it to the segment's base, which every later view shares.
+                    views[item.name] = self._view(Placement.from_wire(result)).detach()
             if first_error is not None:
                 raise first_error.exception()
         except BaseException:
@@ -615,7 +627,7 @@ class Client:
     def _keep_spare(self, namespace: str, name: str, placement: Placement,
                     granted_s: float) -> None:
         try:
-            view = self._view(placement)
+            view = self._view(placement).detach()  # handed out by reserve: see there
         except InfinityError:
             # Only a shortcut for the next put was lost (the commit itself succeeded).
             self._abort_quietly([name], namespace)
@@ -682,12 +694,22 @@ class Client:
         The daemon answers the commit with a spare reservation of each tensor's name, dtype
         and shape where it has free room for one (`cpu.spare_fraction`), so putting the same
         tensors again needs no reserve request: one round trip instead of two."""
-        views = self.reserve(tensors, namespace=namespace)
+        sources = {name: _storable(tensor, name) for name, tensor in tensors.items()}
+        stripes = sorted({hash((namespace, name)) % _PUT_STRIPES for name in sources})
+        with contextlib.ExitStack() as held:
+            for stripe in stripes:  # in one order everywhere: two puts never wait on each other
+                held.enter_context(self._put_stripes[stripe])
+            return self._put_sources(sources, namespace=namespace, durable=durable)
+
+    def _put_sources(self, sources: Mapping[str, torch.Tensor], *, namespace: str,
+                     durable: bool) -> dict[str, int]:
+        views = self.reserve(sources, namespace=namespace)
         try:
-            for name, tensor in tensors.items():
-                # Streaming stores: this process never reads the slice back, so there is no
-                # point loading its old contents into the cache first (what copy_ does).
-                copy_into(views[name], tensor)
+            with torch.no_grad():  # a copy into the store is not part of anyone's graph
+                for name, tensor in sources.items():
+                    # Streaming stores: this process never reads the slice back, so there is no
+                    # point loading its old contents into the cache first (what copy_ does).
+                    copy_into(views[name], tensor)
         except BaseException:
             self.abort(list(views), namespace=namespace)
             raise
@@ -1003,10 +1025,32 @@ class _Spare:
 
 def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 view (no copy)."""
+    _check_dense(t, what)
+    if t.is_conj() or t.is_neg():
+        raise InvalidRequestError(f"`{what}` is a conjugate or negative view, whose bytes are not "
+                                  f"its values; pass {what}.resolve_conj().resolve_neg()")
     if not t.is_contiguous():
         raise InvalidRequestError(f"`{what}` must be contiguous; pass {what}.contiguous() or a "
                                   f"contiguous buffer")
-    return t.reshape(-1).view(torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _check_dense(t: torch.Tensor, what: str) -> None:
+    if t.layout is not torch.strided:
+        raise InvalidRequestError(f"`{what}` is a {t.layout} tensor; the store holds dense ones: "
+                                  f"pass {what}.to_dense()")
+    if t.device.type == "meta":
+        raise InvalidRequestError(f"`{what}` is on the meta device and has no bytes; materialize "
+                                  f"it first (torch.empty_like(..., device='cpu'), say)")
+
+
+def _storable(t: torch.Tensor, name: str) -> torch.Tensor:
+    """What `put` copies of `t`: its values as they read (a conjugate or negative view
+    resolved), outside autograd; InvalidRequestError for a tensor that has no bytes to store."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidRequestError(f"{name!r}: put takes torch tensors, not {type(t).__name__}")
+    _check_dense(t, name)
+    return t.detach().resolve_conj().resolve_neg()
 
 
 def _default_name() -> str:

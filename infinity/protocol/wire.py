@@ -37,7 +37,8 @@ from typing import Any, ClassVar, NamedTuple, Sequence, TypeVar, Union, cast
 
 import msgpack
 
-from infinity.errors import InfinityError, ProtocolError, VersionMismatchError, error_from_code
+from infinity.errors import (InfinityError, InvalidRequestError, ProtocolError, VersionMismatchError,
+                             error_from_code)
 
 PROTOCOL_VERSION = 4  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier
@@ -656,10 +657,27 @@ NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})
 
 
 def encode_request(request_id: int, message: Request, releases: Sequence[int] = ()) -> bytes:
-    """`releases`: shared-lease ids whose release rides along, served before the request."""
-    if releases:
-        return _pack([message.OP, request_id, message.body(), list(releases)])
-    return _pack([message.OP, request_id, message.body()])
+    """`releases`: shared-lease ids whose release rides along, served before the request.
+    InvalidRequestError for a request the daemon would refuse to decode (too many items, too
+    many bytes, a name that is not text): said here, before it costs a round trip or a
+    connection."""
+    body = message.body()
+    if len(body) > MAX_ITEMS:
+        raise InvalidRequestError(
+            f"a {message.OP} request carries {len(body)} items, more than the {MAX_ITEMS} one "
+            f"request may; split the batch")
+    try:
+        data = _pack([message.OP, request_id, body, list(releases)] if releases
+                     else [message.OP, request_id, body])
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"a {message.OP} request holds a string that is not valid text ({exc.reason}: "
+            f"{exc.object[exc.start:exc.end]!r}); use names without lone surrogates") from None
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise InvalidRequestError(
+            f"a {message.OP} request of {len(data)} bytes is larger than the {MAX_MESSAGE_BYTES} "
+            f"one message may be; split the batch")
+    return data
 
 
 @dataclass(frozen=True, slots=True)
