@@ -415,6 +415,20 @@ def test_a_stream_closed_before_its_open_was_answered_is_refused_and_the_open_st
         assert client.stats()["counters"]["open_streams"] == 0
 
 
+def test_write_from_works_with_fewer_staging_slices_when_the_tier_is_nearly_full(
+        store: Store) -> None:
+    # Four slices of 4 MiB are the whole 16 MiB tier; a leased tensor keeps a segment's room.
+    daemon = store.start(**{"nvme.stream_chunk_bytes": 4 * MiB, "nvme.stream_depth": 4})
+    with daemon.connect() as client:
+        client.put("pinned", pattern(7, 3 * MiB))
+        big = pattern(8, 40 * MiB + 4097)
+        with client.get("pinned"):
+            client.write_from("big", big)
+        out = torch.empty_like(big)
+        client.read_into("big", out)
+        assert torch.equal(out, big)
+
+
 def test_deleting_a_flushed_tensor_removes_it_from_the_index(store: Store) -> None:
     daemon = store.start()
     with daemon.connect() as client:

@@ -33,7 +33,8 @@ from infinity.config import NvmeConfig
 from infinity.daemon.arena import CpuSlice, SpaceShortage
 from infinity.daemon.catalog import Catalog, Key, Version, check_key
 from infinity.daemon.tiers import DiskCopy, TierManager
-from infinity.errors import InfinityError, InvalidRequestError, LeaseError, OutOfRangeError
+from infinity.errors import (InfinityError, InvalidRequestError, LeaseError, OutOfRangeError,
+                             TierFullError)
 from infinity.protocol import dtypes
 from infinity.protocol.wire import Placement, StreamInfo
 from infinity.store.nvme import (CRC_BLOCK_BYTES, TensorLayout, crc_blocks, crc_buffer,
@@ -152,8 +153,14 @@ class StreamTable:
                 size = min(self.chunk_bytes, -(-stream.nbytes // 4096) * 4096)
                 count = min(self.depth, -(-stream.nbytes // self.chunk_bytes))
                 while len(stream.slots) < count:
-                    stream.slots.append(self.tiers.allocate_slice(
-                        size, what=f"a staging slice for tensor {stream.key[1]!r}"))
+                    try:
+                        piece = self.tiers.allocate_slice(
+                            size, what=f"a staging slice for tensor {stream.key[1]!r}")
+                    except TierFullError:
+                        if not stream.slots:
+                            raise
+                        break  # fewer chunks in flight: slower, but a tier this full still works
+                    stream.slots.append(piece)
                     stream.busy.append(False)
         except SpaceShortage:
             self.tiers.when_space(lambda error: (
