@@ -302,3 +302,22 @@ def test_raw_hello_reports_the_daemon_liveness_settings(daemon: Any) -> None:
     finally:
         raw.close()
         context.term()
+
+
+def test_a_stall_of_the_daemon_itself_longer_than_the_timeout_ends_no_live_session(
+        daemon_factory: Callable[..., Any]) -> None:
+    daemon = daemon_factory(**{"daemon.client_timeout_s": 1.0,
+                               "daemon.heartbeat_interval_s": 0.2})
+    client = daemon.connect("healthy")
+    client.put("w", torch.ones(4))
+    lease = client.get("w")
+    daemon.process.send_signal(signal.SIGSTOP)
+    time.sleep(2.0)  # the stall itself is what is tested: twice the client timeout
+    daemon.process.send_signal(signal.SIGCONT)
+    # Its heartbeats sat in the socket: the first sweep after the stall must not take the
+    # silence for the client's. Three sweeps later, it would have been ended by now.
+    time.sleep(1.0)
+    assert [c["name"] for c in client.stats()["clients"]] == ["healthy"]
+    assert client.stats()["catalog"]["num_leases"] == 1
+    lease.release()
+    client.close()

@@ -42,7 +42,9 @@ class EventLoop:
 
     def __init__(self, *, num_workers: int = 1) -> None:
         self._epoll = select.epoll()
-        self._callbacks: dict[int, Callable[[], None]] = {}
+        # fd -> its registration: a 1-tuple made afresh by each add_reader, so that an fd closed
+        # and its number reused within one batch of events is told from the one that fired.
+        self._callbacks: dict[int, tuple[Callable[[], None]]] = {}
         self._zmq_sources: dict[zmq.Socket[Any], Callable[[], None]] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
@@ -65,7 +67,7 @@ class EventLoop:
             self._zmq_sources[source] = callback
         else:
             fd = int(source)
-        self._callbacks[fd] = callback
+        self._callbacks[fd] = (callback,)
         self._epoll.register(fd, select.EPOLLIN)
 
     def remove_reader(self, source: Pollable) -> None:
@@ -149,10 +151,13 @@ class EventLoop:
                 for hook in self._before_wait:
                     self._dispatch(hook, "before-wait hook")
                 events = poll(-1 if timeout_ms is None else timeout_ms / 1000.0)
-                for fd, _ in events:
-                    callback = callbacks.get(fd)
-                    if callback is not None:  # an earlier callback of this round removed it
-                        self._dispatch(callback, fd)
+                fired = [(fd, callbacks.get(fd)) for fd, _ in events]
+                for fd, registration in fired:
+                    # Not if an earlier callback of this batch removed it, nor if it then
+                    # registered another fd that the kernel gave the same number (the event
+                    # was the old one's: a new session's pidfd taken for an exit, say).
+                    if registration is not None and callbacks.get(fd) is registration:
+                        self._dispatch(registration[0], fd)
         finally:
             self._running = False
 

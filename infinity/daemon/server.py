@@ -201,6 +201,7 @@ class Daemon:
         os.chmod(self.layout.control_path, 0o600)
         self.fds.start()
         self.loop.add_reader(self.router, self._on_router)
+        self._last_sweep_s = time.monotonic()
         self.loop.call_later(self._sweep_interval_s(), self._sweep)
 
     def run(self) -> None:
@@ -403,7 +404,14 @@ class Daemon:
         # Serve what is queued first, so a heartbeat that waited behind other work still counts.
         self._on_router()
         now = time.monotonic()
-        for session in self.sessions.expired(now, self.config.daemon.client_timeout_s):
+        interval_s = self._sweep_interval_s()
+        stalled = now - self._last_sweep_s > 2 * interval_s + 0.5
+        self._last_sweep_s = now
+        # After a stall of the daemon itself (stopped, frozen, swapped out), the clients' heartbeats
+        # may still sit in the sockets' buffers, unread: a silence it caused is not theirs, so
+        # nobody expires until the next sweep, by when they have been read.
+        for session in ([] if stalled else
+                        self.sessions.expired(now, self.config.daemon.client_timeout_s)):
             self._end(session, f"silent for {self.config.daemon.client_timeout_s:g}s")
         spare_lifetime_s = SPARE_LIFETIME_TIMEOUTS * self.config.daemon.client_timeout_s
         self.catalog.expire_spares(now - spare_lifetime_s)
