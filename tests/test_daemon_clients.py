@@ -321,3 +321,31 @@ def test_a_stall_of_the_daemon_itself_longer_than_the_timeout_ends_no_live_sessi
     assert client.stats()["catalog"]["num_leases"] == 1
     lease.release()
     client.close()
+
+
+def test_a_daemon_out_of_file_descriptors_waits_instead_of_spinning_and_serves_on(
+        daemon: Any) -> None:
+    import resource
+
+    from infinity.protocol import fdpass
+
+    pid = daemon.process.pid
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + 3,
+                                                   limits[1]))
+    held = []
+    try:
+        for _ in range(6):  # the last ones meet EMFILE in the daemon's accept()
+            sock = fdpass.seqpacket_socket()
+            sock.connect(RuntimeLayout(daemon.runtime_dir).fds_path)
+            held.append(sock)
+        time.sleep(1.0)  # a while out of fds: one complaint per pause, not one per turn
+        complaints = daemon.log().count("cannot accept connections")
+        assert 1 <= complaints <= 4, complaints
+    finally:
+        for sock in held:
+            sock.close()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    after = daemon.connect("after")  # accepted again once fds are free
+    assert "after" in {c["name"] for c in after.stats()["clients"]}
+    after.close()

@@ -25,6 +25,12 @@ from infinity.protocol.wire import FdReply, FdRequest, ItemError, SegmentInfo
 
 log = logging.getLogger("infinityd.fds")
 
+# A connection that has not named its session by then is closed: it holds a daemon fd.
+BIND_TIMEOUT_S = 10.0
+# Out of fds (EMFILE and kin), the listener stays readable: it is left unwatched this long,
+# instead of being retried on every turn of the loop.
+ACCEPT_PAUSE_S = 0.5
+
 
 class SegmentSource(Protocol):
     """What the fd server needs of the arena: the live segments' fds and sizes."""
@@ -71,6 +77,11 @@ class FdServer:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                self._pause_accepting(exc)
+                return
             sock.setblocking(False)
             conn = FdConnection(sock)
             if conn.peer_uid not in (os.geteuid(), 0):
@@ -80,6 +91,27 @@ class FdServer:
                 continue
             self._connections[conn.fileno] = conn
             self._loop.add_reader(conn.fileno, lambda c=conn: self._readable(c))  # type: ignore[misc]
+            self._loop.call_later(BIND_TIMEOUT_S, lambda c=conn: self._unbound_too_long(c))  # type: ignore[misc]
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        log.error("fd channel: cannot accept connections (%s); trying again in %gs", exc,
+                  ACCEPT_PAUSE_S)
+        self._loop.remove_reader(listener.fileno())
+
+        def resume() -> None:
+            if self._listener is listener:
+                self._loop.add_reader(listener.fileno(), self._accept)
+
+        self._loop.call_later(ACCEPT_PAUSE_S, resume)
+
+    def _unbound_too_long(self, conn: FdConnection) -> None:
+        if self._connections.get(conn.fileno) is conn and conn.session is None:
+            log.info("fd channel of pid %d named no session within %gs; closed", conn.peer_pid,
+                     BIND_TIMEOUT_S)
+            self.close_connection(conn, notify=False)
 
     def _readable(self, conn: FdConnection) -> None:
         try:
