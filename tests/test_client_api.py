@@ -409,3 +409,33 @@ def test_a_batch_beyond_what_one_request_may_carry_is_refused_at_once(client: An
         client.exists_many(["n" * 1000 + str(i) for i in range(20000)])
     client.put("after", torch.ones(2))  # this thread's connection still has its session
     assert client.exists("after")
+
+
+def test_a_segment_handover_that_times_out_ends_the_session_instead_of_skewing_the_channel(
+        impatient_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    from infinity.client.segments import SegmentMap
+
+    reader, writer = impatient_daemon.connect("reader"), impatient_daemon.connect("writer")
+    writer.put("big", torch.ones(3 * 1024 * 1024))  # 12 MiB: a segment the reader has not mapped
+    fetch = SegmentMap._fetch
+    resume = threading.Timer(1.0, impatient_daemon.process.send_signal, (signal.SIGCONT,))
+
+    def fetch_while_the_daemon_stalls(self: SegmentMap, want: Any) -> None:
+        if want is not None:  # the daemon stops just as the reader asks for the new segment
+            impatient_daemon.process.send_signal(signal.SIGSTOP)
+            resume.start()
+        fetch(self, want)
+
+    monkeypatch.setattr(SegmentMap, "_fetch", fetch_while_the_daemon_stalls)
+    with pytest.raises(DaemonUnavailableError, match="did not hand over shared-memory segments"):
+        reader.get("big")
+    monkeypatch.setattr(SegmentMap, "_fetch", fetch)
+    # Its late answer would have been read as the next request's: the session is over instead.
+    with pytest.raises(DaemonUnavailableError, match="session ended"):
+        reader.get("big")
+    resume.join()  # the daemon goes on
+    again = impatient_daemon.connect("reader")
+    with again.get("big") as big:
+        assert bool((big == 1).all())
+    for client in (reader, writer, again):
+        client.close()

@@ -288,6 +288,10 @@ class Client:
                 f"its forked child {os.getpid()}; call infinity.connect() again in the child")
         if self._closed:
             raise DaemonUnavailableError("this infinity Client is closed; call infinity.connect()")
+        if self._segments is not None and self._segments.closed:
+            raise DaemonUnavailableError(
+                "this infinity Client's session ended when infinityd did not hand over "
+                "shared-memory segments in time; call infinity.connect() again")
 
     def _channel(self) -> Channel:
         channel: Channel | None = getattr(self._local, "channel", None)

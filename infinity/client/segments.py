@@ -231,9 +231,14 @@ class SegmentMap:
                 if not reply.more:
                     return
         except (socket.timeout, TimeoutError):
+            # Its answer may still come, and would be read as the answer to the next request:
+            # the channel is out of step for good, so it closes (the daemon ends the session).
+            self._closed = True
+            self._sock.close()
             raise DaemonUnavailableError(
                 "infinityd did not hand over shared-memory segments in time "
-                "(daemon.request_timeout_s); check `infinityd status`") from None
+                "(daemon.request_timeout_s), so this client's session is over; check "
+                "`infinityd status` and connect again") from None
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise DaemonUnavailableError(f"infinityd's fd channel broke ({exc}); restart it "
                                          f"and connect again") from None
@@ -262,6 +267,11 @@ class SegmentMap:
             for cached, view in list(self._views.items()):
                 if start <= view.data_ptr() < end:
                     self._views.pop(cached, None)
+
+    @property
+    def closed(self) -> bool:
+        """Closed by the client, or after a fetch that timed out (see `_fetch`)."""
+        return self._closed
 
     def daemon_gone(self) -> str | None:
         """Why the daemon is known to be gone (its end of the fd channel closed), or None."""
