@@ -699,6 +699,10 @@ class Client:
         and shape where it has free room for one (`cpu.spare_fraction`), so putting the same
         tensors again needs no reserve request: one round trip instead of two."""
         sources = {name: _storable(tensor, name) for name, tensor in tensors.items()}
+        if len(sources) == 1:  # the common case, without the stack
+            (name,) = sources
+            with self._put_stripes[hash((namespace, name)) % _PUT_STRIPES]:
+                return self._put_sources(sources, namespace=namespace, durable=durable)
         stripes = sorted({hash((namespace, name)) % _PUT_STRIPES for name in sources})
         with contextlib.ExitStack() as held:
             for stripe in stripes:  # in one order everywhere: two puts never wait on each other
@@ -709,11 +713,10 @@ class Client:
                      durable: bool) -> dict[str, int]:
         views = self.reserve(sources, namespace=namespace)
         try:
-            with torch.no_grad():  # a copy into the store is not part of anyone's graph
-                for name, tensor in sources.items():
-                    # Streaming stores: this process never reads the slice back, so there is no
-                    # point loading its old contents into the cache first (what copy_ does).
-                    copy_into(views[name], tensor)
+            for name, tensor in sources.items():  # detached (`_storable`), into detached views
+                # Streaming stores: this process never reads the slice back, so there is no
+                # point loading its old contents into the cache first (what copy_ does).
+                copy_into(views[name], tensor)
         except BaseException:
             self.abort(list(views), namespace=namespace)
             raise
@@ -1054,7 +1057,11 @@ def _storable(t: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidRequestError(f"{name!r}: put takes torch tensors, not {type(t).__name__}")
     _check_dense(t, name)
-    return t.detach().resolve_conj().resolve_neg()
+    if t.requires_grad:
+        t = t.detach()  # the copy is then not part of anyone's graph
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t
 
 
 def _default_name() -> str:
