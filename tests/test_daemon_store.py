@@ -215,3 +215,15 @@ def test_client_lets_go_of_a_retired_dedicated_segment_at_its_next_fetch(client:
     now = {s for s, _, _ in client.segment_ranges()}
     retired = first - now
     assert len(retired) == 1 and len(now - first) == 1
+
+
+def test_a_namespace_longer_than_one_listing_page_is_listed_whole_and_in_order(
+        client: Any) -> None:
+    count = wire.LIST_PAGE + 1021
+    names = [f"t{i:06d}" for i in range(count)]
+    empty = torch.empty(0)
+    for start in range(0, count, 10_000):  # zero-byte tensors: no tier room needed
+        client.put_many({name: empty for name in names[start:start + 10_000]})
+    client.put("other", torch.ones(1))
+    listed = client.list(prefix="t")
+    assert [info.name for info in listed] == names

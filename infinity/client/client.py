@@ -913,9 +913,16 @@ class Client:
 
     def list(self, *, namespace: str = "default", prefix: str = "") -> list[wire.TensorInfo]:
         """The tensors of a namespace whose names start with `prefix`, sorted by name."""
-        (result,) = self._call(wire.ListTensors((wire.ListItem(namespace, prefix),)))
-        self._raise_first([result])
-        return wire.decode_infos(result)
+        listed: list[wire.TensorInfo] = []
+        after = ""
+        while True:  # in pages: one reply cannot carry a namespace of any size
+            (result,) = self._call(wire.ListTensors((wire.ListItem(namespace, prefix, after),)))
+            self._raise_first([result])
+            page = wire.decode_infos(result)
+            listed += page
+            if len(page) < wire.LIST_PAGE:
+                return listed
+            after = page[-1].name
 
     def step_begin(self, *, namespace: str = "default") -> wire.StepReport | None:
         """Mark the start of a step (one iteration of a loop that touches the same tensors in

@@ -237,9 +237,13 @@ class Catalog:
         entries = self._namespaces.get(namespace)
         return entries is not None and name in entries
 
-    def listing(self, namespace: str, prefix: str) -> list[Version]:
+    def listing(self, namespace: str, prefix: str, *, after: str = "",
+                limit: int | None = None) -> list[Version]:
+        """The current versions of `namespace` whose names start with `prefix` and sort after
+        `after`, in name order, at most `limit`."""
         entries = self._namespaces.get(namespace, {})
-        return [entries[n] for n in sorted(entries) if n.startswith(prefix)]
+        names = sorted(n for n in entries if n.startswith(prefix) and n > after)
+        return [entries[n] for n in (names if limit is None else names[:limit])]
 
     def holder_of(self, client: int) -> _Holdings:
         holdings = self._holdings.get(client)

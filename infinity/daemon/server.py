@@ -788,7 +788,8 @@ class Daemon:
             results.append([
                 wire.TensorInfo(v.key[0], v.key[1], v.dtype, v.shape, v.nbytes, v.stamp,
                                 v.tier).to_wire()
-                for v in self.catalog.listing(item.namespace, item.prefix)])
+                for v in self.catalog.listing(item.namespace, item.prefix, after=item.after,
+                                              limit=wire.LIST_PAGE)])
         self._reply(identity, request_id, results)
 
     def _stats(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:

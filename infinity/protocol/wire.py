@@ -40,8 +40,8 @@ import msgpack
 from infinity.errors import (InfinityError, InvalidRequestError, ProtocolError, VersionMismatchError,
                              error_from_code)
 
-PROTOCOL_VERSION = 4  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
-# 4: get_ahead answers nil for what is not in the CPU tier
+PROTOCOL_VERSION = 5  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+# 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after)
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
@@ -55,6 +55,7 @@ MAX_BIN_BYTES = 64 * 1024
 MAX_MAP_ENTRIES = 1 << 16
 MAX_NAME_CHARS = 1024
 MAX_NAMESPACE_CHARS = 255
+LIST_PAGE = 16384  # entries of one `list` result at most
 
 _UNPACK_LIMITS: dict[str, Any] = {
     "raw": False,
@@ -214,18 +215,22 @@ class ReserveItem:
 
 @dataclass(frozen=True, slots=True)
 class ListItem:
-    """One listing asked of `list`: [namespace, name prefix]."""
+    """One listing asked of `list`: [namespace, name prefix, after]: the names after `after`
+    (all when empty), in name order, at most LIST_PAGE of them (a reply array's limit is
+    MAX_ITEMS): a result of LIST_PAGE entries says to ask again after its last name."""
 
     namespace: str
     prefix: str = ""
+    after: str = ""
 
     def to_wire(self) -> list[Any]:
-        return [self.namespace, self.prefix]
+        return [self.namespace, self.prefix, self.after]
 
     @classmethod
     def from_wire(cls, value: Any, where: str) -> ListItem:
-        ns, prefix = _list(value, where, 2)
-        return cls(_str(ns, where + " namespace"), _str(prefix, where + " prefix"))
+        ns, prefix, after = _list(value, where, 3)
+        return cls(_str(ns, where + " namespace"), _str(prefix, where + " prefix"),
+                   _str(after, where + " after"))
 
 
 _Item = TypeVar("_Item", TensorRef, GetItem, ReserveItem, ListItem)
