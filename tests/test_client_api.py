@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import threading
 from typing import Any, Callable
@@ -10,8 +12,8 @@ import pytest
 import torch
 
 from conftest import RunningDaemon, wait_until
-from infinity.errors import (DaemonUnavailableError, InvalidRequestError, LeaseError,
-                             NotFoundError)
+from infinity.errors import (DaemonUnavailableError, ForkedClientError, InvalidRequestError,
+                             LeaseError, NotFoundError)
 from infinity.protocol import wire
 
 
@@ -439,3 +441,59 @@ def test_a_segment_handover_that_times_out_ends_the_session_instead_of_skewing_t
         assert bool((big == 1).all())
     for client in (reader, writer, again):
         client.close()
+
+
+def test_a_request_refused_before_sending_keeps_the_releases_it_would_have_carried(
+        client: Any) -> None:
+    client.put("kept", torch.ones(3))
+    with client.get("kept"):
+        pass  # a shared release: it rides with the next message
+    with pytest.raises(InvalidRequestError, match="split the batch"):
+        client.exists_many(["n"] * 65537)  # refused: its releases must ride with the next one
+    client.flush()
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_a_forked_child_putting_is_told_to_connect_again_even_while_a_parent_thread_puts(
+        client: Any) -> None:
+    # A parent thread holds the put lock of "x" at fork (its fill is slow): the child must not
+    # wait on that lock, which no thread of its own will ever release.
+    started, finish = threading.Event(), threading.Event()
+    slow = torch.ones(1021)
+    import infinity.client.client as client_module
+    copy_into = client_module.copy_into
+
+    def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        started.set()
+        finish.wait(10)
+        copy_into(dst, src)
+
+    client_module.copy_into = slow_copy  # a stand-in for a long fill: the lock is held meanwhile
+    try:
+        putter = threading.Thread(target=client.put, args=("x", slow))
+        putter.start()
+        started.wait(10)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what put did, then leave at once
+            try:
+                client.put("x", slow)
+                outcome = b"returned"
+            except ForkedClientError:
+                outcome = b"forked"
+            except BaseException:  # noqa: BLE001
+                outcome = b"other"
+            os.write(write_end, outcome)
+            os._exit(0)
+        os.close(write_end)
+        ready = select.select([read_end], [], [], 10)[0]
+        outcome = os.read(read_end, 16) if ready else b"hung"
+        os.close(read_end)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    finally:
+        finish.set()
+        putter.join(10)
+        client_module.copy_into = copy_into
+    assert outcome == b"forked"

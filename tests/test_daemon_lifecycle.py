@@ -231,3 +231,4 @@ def test_a_client_refuses_a_runtime_folder_of_another_user(daemon: Any) -> None:
             daemon.connect("wary")
     finally:
         os.chown(daemon.runtime_dir, os.geteuid(), -1)
+

@@ -27,7 +27,7 @@ from typing import Callable, NoReturn, Sequence
 
 import zmq
 
-from infinity.errors import DaemonUnavailableError, InfinityError
+from infinity.errors import DaemonUnavailableError, InfinityError, InvalidRequestError
 from infinity.protocol import wire
 
 TICK_S = 0.1
@@ -39,7 +39,8 @@ class Channel:
     """A DEALER socket and the replies it is waiting for. Used by one thread at a time."""
 
     def __init__(self, context: zmq.Context, endpoint: str, *, timeout_s: float,
-                 daemon_gone: Callable[[], str | None]) -> None:
+                 daemon_gone: Callable[[], str | None],
+                 unsent: Callable[[Sequence[int]], None] | None = None) -> None:
         self.sock = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, int(TICK_S * 1000))
@@ -48,6 +49,7 @@ class Channel:
         self.timeout_s = timeout_s
         self._pid = os.getpid()
         self._daemon_gone = daemon_gone
+        self._unsent = unsent  # takes back the releases of a request refused before sending
         self._waiting: set[int] = set()
         self._stash: dict[int, wire.Reply] = {}
         self._abandoned: dict[int, LateReply] = {}  # request id -> undo of its late answer
@@ -58,7 +60,12 @@ class Channel:
 
     def send(self, request_id: int, message: wire.Request, *, expect_reply: bool,
              releases: Sequence[int] = ()) -> None:
-        data = wire.encode_request(request_id, message, releases)
+        try:
+            data = wire.encode_request(request_id, message, releases)
+        except InvalidRequestError:
+            if releases and self._unsent is not None:
+                self._unsent(releases)
+            raise
         self._begin_use(message.OP)
         if expect_reply:
             self._waiting.add(request_id)

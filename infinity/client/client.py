@@ -276,7 +276,7 @@ class Client:
 
     def _new_channel(self) -> Channel:
         channel = Channel(self._context, self.layout.control_endpoint, timeout_s=self._timeout_s,
-                          daemon_gone=self._daemon_gone)
+                          daemon_gone=self._daemon_gone, unsent=self._give_back_releases)
         with self._channels_lock:
             self._channels.add(channel)
         return channel
@@ -493,6 +493,12 @@ class Client:
         if overflowing:
             self._send(wire.Release(()))
 
+    def _give_back_releases(self, lease_ids: Sequence[int]) -> None:
+        """Releases taken for a message that was refused before it was sent: they ride again."""
+        if lease_ids:
+            with self._pending_lock:
+                self._pending_releases[:0] = lease_ids
+
     def flush(self) -> None:
         """Return once the daemon has served every lease this client released so far (they
         normally reach it with the next request or within daemon.heartbeat_interval_s).
@@ -698,6 +704,7 @@ class Client:
         The daemon answers the commit with a spare reservation of each tensor's name, dtype
         and shape where it has free room for one (`cpu.spare_fraction`), so putting the same
         tensors again needs no reserve request: one round trip instead of two."""
+        self._check_usable()  # before any lock: a forked child's copy may be held by no thread
         sources = {name: _storable(tensor, name) for name, tensor in tensors.items()}
         if len(sources) == 1:  # the common case, without the stack
             (name,) = sources

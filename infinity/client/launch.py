@@ -36,7 +36,7 @@ def start_daemon(config: InfinityConfig) -> None:
            if not name.startswith(ENV_PREFIX) or (name in NOT_SETTINGS and name != ENV_CONFIG_PATH)}
     fd, path = tempfile.mkstemp(prefix="infinityd-start-", suffix=".toml")  # 0600
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # what the loader reads, whatever the locale
             f.write(settings_as_toml(config))
         command = [sys.executable, "-m", "infinity.daemon.main", "start", "--config", path]
         done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -202,9 +202,6 @@ class Catalog:
         self.reserved_bytes = 0
         self.num_spares = 0  # of the reservations, those `renew` made
         self.spare_bytes = 0
-        # Spares by reservation id -> (when made, client, key), oldest first (`expire_spares`).
-        self._spares_made: dict[int, tuple[float, int, Key]] = {}
-        self.num_spares_expired = 0
 
     # --- lookups ------------------------------------------------------------------
 
@@ -379,11 +376,10 @@ class Catalog:
         self.reserved_bytes += nbytes
         return reservation
 
-    def renew(self, client: int, version: Version, *, now_s: float) -> Reservation | None:
+    def renew(self, client: int, version: Version) -> Reservation | None:
         """A spare reservation of `version`'s name, dtype and shape for the client's next put of
-        it, made right after the client published `version` (at `now_s`, a monotonic time);
-        None when the client already holds a reservation of the name, the spare budget is spent
-        or the tier has no free room."""
+        it, made right after the client published `version`; None when the client already
+        holds a reservation of the name, the spare budget is spent or the tier has no free room."""
         holdings = self.holder_of(client)
         nbytes = version.nbytes
         # Charged at what the slice takes (4 KiB-rounded), or small tensors would hold far
@@ -402,23 +398,7 @@ class Catalog:
         self.reserved_bytes += nbytes
         self.num_spares += 1
         self.spare_bytes += cpu.length
-        self._spares_made[reservation.id] = (now_s, client, version.key)
         return reservation
-
-    def expire_spares(self, made_before_s: float) -> int:
-        """Discard the spares made before `made_before_s` that no put has taken; returns how
-        many. The client library uses a spare only while it is young (see Client), so one
-        kept long after that holds tier space for nobody: a name put once more and then no
-        longer, or deleted by another client."""
-        expired = []
-        for made_s, client, key in self._spares_made.values():
-            if made_s >= made_before_s:
-                break  # made in time order: the rest are younger
-            expired.append((client, key))
-        for client, key in expired:
-            self.abort(client, *key)  # takes it out of _spares_made too
-        self.num_spares_expired += len(expired)
-        return len(expired)
 
     def _take_reservation(self, client: int, namespace: str, name: str) -> Reservation:
         holdings = self._holdings.get(client)
@@ -434,7 +414,6 @@ class Catalog:
             assert reservation.cpu is not None  # spares are never of zero bytes
             self.num_spares -= 1
             self.spare_bytes -= reservation.cpu.length
-            self._spares_made.pop(reservation.id, None)
         return reservation
 
     def commit(self, client: int, namespace: str, name: str) -> Version:
@@ -537,7 +516,6 @@ class Catalog:
             "reserved_bytes": self.reserved_bytes,
             "num_spare_reservations": self.num_spares,
             "spare_bytes": self.spare_bytes,
-            "num_spares_expired": self.num_spares_expired,
             "namespaces": {ns: {"tensors": c.tensors, "bytes": c.bytes}
                            for ns, c in sorted(self.namespace_counters.items())},
         }

@@ -49,12 +49,6 @@ from infinity.protocol.wire import ItemError, Placement, ReserveItem, StreamInfo
 
 log = logging.getLogger("infinityd")
 
-# A spare no put took within this many client_timeout_s is discarded. The client library
-# takes a spare only while it is younger than half of client_timeout_s (counted from before
-# the daemon made it), so a put that took one has over 3.5 client_timeout_s to commit it
-# before its slice could go to another tensor.
-SPARE_LIFETIME_TIMEOUTS = 4
-
 # How long gets that found everything resident may wait for the next prefetch plan.
 LAZY_PLAN_DELAY_S = 0.002
 # Messages served per wake-up before the loop looks at its other fds again.
@@ -202,6 +196,7 @@ class Daemon:
         self.fds.start()
         self.loop.add_reader(self.router, self._on_router)
         self._last_sweep_s = time.monotonic()
+        self._skipped_sweep = False
         self.loop.call_later(self._sweep_interval_s(), self._sweep)
 
     def run(self) -> None:
@@ -405,7 +400,9 @@ class Daemon:
         self._on_router()
         now = time.monotonic()
         interval_s = self._sweep_interval_s()
-        stalled = now - self._last_sweep_s > 2 * interval_s + 0.5
+        # One sweep at most: a loop that is merely busy also sweeps late, and must still expire.
+        stalled = now - self._last_sweep_s > 2 * interval_s + 0.5 and not self._skipped_sweep
+        self._skipped_sweep = stalled
         self._last_sweep_s = now
         # After a stall of the daemon itself (stopped, frozen, swapped out), the clients' heartbeats
         # may still sit in the sockets' buffers, unread: a silence it caused is not theirs, so
@@ -413,8 +410,6 @@ class Daemon:
         for session in ([] if stalled else
                         self.sessions.expired(now, self.config.daemon.client_timeout_s)):
             self._end(session, f"silent for {self.config.daemon.client_timeout_s:g}s")
-        spare_lifetime_s = SPARE_LIFETIME_TIMEOUTS * self.config.daemon.client_timeout_s
-        self.catalog.expire_spares(now - spare_lifetime_s)
         self.loop.call_later(self._sweep_interval_s(), self._sweep)
 
     def _on_segment_retired(self, segment: int) -> None:
@@ -590,8 +585,7 @@ class Daemon:
         again = [self._exists_quietly(item) for item in message.items]
         results, committed = self._publish(session, message.items)
         for i, version in committed:
-            spare = (self.catalog.renew(session.id, version, now_s=time.monotonic())
-                     if again[i] else None)
+            spare = self.catalog.renew(session.id, version) if again[i] else None
             placement = None
             if spare is not None:
                 placement = _reserved_placement(spare)

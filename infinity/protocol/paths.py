@@ -75,6 +75,7 @@ class RuntimeLayout:
         if not stat.S_ISDIR(info.st_mode):
             raise ConfigError(f"daemon.runtime_dir {self.root} is not a folder; remove it or "
                               f"choose another daemon.runtime_dir")
+        # Root too: to see to another user's daemon, run as that user (sudo -u).
         if info.st_uid != os.geteuid():
             raise ConfigError(
                 f"daemon.runtime_dir {self.root} belongs to uid {info.st_uid}, not to you (uid "
