@@ -157,6 +157,10 @@ class CpuTierConfig:
                  "cpu.segment_bytes must be a positive multiple of 2 MiB (2097152)")
         _require(self.budget_bytes >= self.segment_bytes,
                  "cpu.budget_bytes must be at least one segment (cpu.segment_bytes)")
+        # Segments come in 2 MiB granules: a remainder could never hold anything, and a tensor
+        # that fits the budget but not its granules would be neither too large nor ever placed.
+        _require(self.budget_bytes % (2 * MiB) == 0,
+                 "cpu.budget_bytes must be a multiple of 2 MiB (2097152)")
 
 
 def _default_runtime_dir() -> str:

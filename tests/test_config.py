@@ -163,3 +163,9 @@ def test_settings_written_as_toml_read_back_the_same(tmp_path: Path) -> None:
     again = load_config(path, env={})
     for table in TABLES:
         assert getattr(again, table) == getattr(config, table)
+
+
+def test_a_cpu_budget_that_is_not_whole_2_mib_granules_is_refused() -> None:
+    # 17 MiB: a 16.5 MiB tensor fit the budget but not its granules, and never found room.
+    with pytest.raises(ConfigError, match="multiple of 2 MiB"):
+        load_config(env={}, overrides={"cpu.budget_bytes": 17 << 20, "cpu.segment_bytes": 4 << 20})

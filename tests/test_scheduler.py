@@ -368,6 +368,23 @@ def test_prefetch_keeps_a_namespace_within_its_quota() -> None:
     assert sched.plan_prefetch() == order[3:5]
 
 
+def test_a_prefetch_under_way_does_not_count_twice_against_its_namespace_quota() -> None:
+    sched = scheduler(4, lookahead_max_fraction=1.0, namespace_quota_bytes=(("ns", 3 * MiB),),
+                      initial_read_bandwidth_bytes_per_s=100 * GiB)
+    order = keys(5)
+    now = _replaying_at(sched, order, cursor=1)  # t0 used, t1 and t2 come next
+    filler = ("other", "f")
+    make_resident(sched, order[1], now)
+    make_resident(sched, order[2], now)
+    make_resident(sched, filler, now, nbytes=2 * MiB)  # another namespace's, needed by nobody
+    candidates = {order[1]: MiB, order[2]: MiB, filler: 2 * MiB}
+    # "ns" holds 2 MiB of its 3: t3 fits; the tier's room comes from the filler, before the
+    # load starts and after (the daemon asks again when it allocates the load's slice).
+    assert sched.victims_for_prefetch(order[3], candidates, MiB) == [filler]
+    sched.load_started(order[3], MiB, now, prefetch=True, reading=False)
+    assert sched.victims_for_prefetch(order[3], candidates, MiB) == [filler]
+
+
 def test_nothing_is_planned_twice() -> None:
     sched = scheduler(lookahead_max_fraction=1.0)
     order = keys(8)

@@ -1017,7 +1017,9 @@ class Scheduler:
         victims: list[tuple[TensorKey, int]] = []
         quota = self.config.quota_bytes(key[0])
         if quota is not None:
-            excess = self._namespace_bytes.get(key[0], 0) + self._sizes.get(key, 0) - quota
+            # A load under way counts in its namespace already (load_started): not twice.
+            own = 0 if key in self._inflight else self._sizes.get(key, 0)
+            excess = self._namespace_bytes.get(key[0], 0) + own - quota
             picked = pool.pick(excess, later_than_s=need_s, namespace=key[0])
             if picked is None:
                 return None
