@@ -124,8 +124,7 @@ def test_a_get_that_must_copy_waits_for_a_copy_under_way_rather_than_refusing(
     copier.synchronize(cache._entries["b"].ticket)
     copier.synchronize(cache._entries["c"].ticket)
     cache.clear()
-    client.flush()
-    assert client.stats()["catalog"]["num_leases"] == 0  # the CPU-tier sources went back
+    assert leases_held(client) == 0  # the CPU-tier sources went back
 
 
 def test_closing_a_cache_waits_for_its_copies_and_gives_back_every_cpu_tier_lease(
@@ -341,6 +340,12 @@ def test_a_refused_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
     assert cache.cached() == {}  # nothing was left held
 
 
+def leases_held(client: Any) -> int:
+    """CPU-tier leases the daemon holds, once it has served every release sent so far."""
+    client.flush()
+    return int(client.stats()["catalog"]["num_leases"])
+
+
 def cache_with_a_prefetch_sent(client: Any) -> DeviceCache:
     """A cache two steps into the layers, whose last get sent a prefetch request not yet used."""
     write_layers(client)
@@ -360,8 +365,7 @@ def test_clear_gives_back_the_leases_of_a_prefetch_not_yet_used(
     client = roomy_nvme_daemon.connect("trainer")
     cache = cache_with_a_prefetch_sent(client)
     cache.clear()
-    client.flush()
-    assert client.stats()["catalog"]["num_leases"] == 0
+    assert leases_held(client) == 0
 
 
 def test_a_cache_dropped_without_close_gives_back_the_leases_of_its_prefetch(
@@ -369,8 +373,7 @@ def test_a_cache_dropped_without_close_gives_back_the_leases_of_its_prefetch(
     client = roomy_nvme_daemon.connect("trainer")
     cache = cache_with_a_prefetch_sent(client)
     del cache  # the last reference: CPython finalizes it here
-    client.flush()
-    assert client.stats()["catalog"]["num_leases"] == 0
+    assert leases_held(client) == 0
 
 
 def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back_their_sources(
@@ -460,8 +463,7 @@ def test_a_cache_handed_to_another_thread_loses_no_reply_and_no_lease(
             assert not errors, errors
     assert cache.stats.prefetched > 0
     cache.clear()
-    client.flush()
-    assert client.stats()["catalog"]["num_leases"] == 0
+    assert leases_held(client) == 0
 
 
 def test_unmap_hooks_run_for_every_segment_when_the_client_closes(

@@ -1,6 +1,8 @@
 """copy_into: the streaming copy used to fill shared slices."""
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -11,6 +13,17 @@ from infinity.io import buffers
 from infinity.io.buffers import FillMethod
 
 MiB = 1 << 20
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` for the block, then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, MiB + 13, 17 * MiB + 5])
@@ -56,13 +69,11 @@ def test_every_fill_method_copies_exactly_while_one_is_being_chosen(
 
 
 def test_fill_method_keeps_the_one_with_the_lowest_median_time() -> None:
-    before = torch.get_num_threads()
     choice = FillMethod(trials=3)
     # Durations given, not measured: which method is fastest depends on the machine.
     seconds = {"split": [4.0, 3.5, 3.2], "stream": [3.0, 2.5, 9.0], "copy_": [3.1, 3.1, 3.1]}
     tried: list[str] = []
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         while choice.method is None and len(tried) < 20:
             method, threads, trial = choice.method_for(64 * MiB)
             assert trial and threads == (2 if method == "split" else 1)
@@ -71,14 +82,11 @@ def test_fill_method_keeps_the_one_with_the_lowest_median_time() -> None:
         assert tried == ["split", "stream", "copy_"] * 3  # in turn
         assert choice.method == "stream"  # median 3.0 against 3.1 and 3.5, whatever the outlier
         assert choice.method_for(64 * MiB) == ("stream", 1, False)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_fill_method_settles_when_torchs_thread_count_changes_during_the_trials() -> None:
-    before = torch.get_num_threads()
     choice = FillMethod(trials=1)
-    try:
+    with torch_threads(torch.get_num_threads()):  # put back whatever the loop sets
         for count in (2, 3, 1, 4, 2):
             torch.set_num_threads(count)
             method, threads, trial = choice.method_for(64 * MiB)
@@ -88,19 +96,13 @@ def test_fill_method_settles_when_torchs_thread_count_changes_during_the_trials(
         assert choice.method_for(64 * MiB) == ("split", 2, False)
         torch.set_num_threads(1)  # e.g. a forked worker: never more threads than torch's count
         assert choice.method_for(64 * MiB) == ("stream", 1, False)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_split_gives_each_thread_at_least_4_MiB() -> None:
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(16)
+    with torch_threads(16):
         choice = FillMethod()
         choice.method = "split"
         assert choice.method_for(32 * MiB) == ("split", 8, False)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_small_copies_are_not_split_or_timed() -> None:
@@ -108,9 +110,7 @@ def test_small_copies_are_not_split_or_timed() -> None:
 
 
 def test_a_large_copy_beside_another_streams_on_one_thread_untimed() -> None:
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
+    with torch_threads(4):
         choice = FillMethod()
         choice.method = "split"
         assert choice.begin(64 * MiB) == ("split", 4, False)
@@ -119,8 +119,6 @@ def test_a_large_copy_beside_another_streams_on_one_thread_untimed() -> None:
         choice.end(64 * MiB)
         choice.end(64 * MiB)
         assert choice.method_for(64 * MiB) == ("split", 4, False)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_copy_beside_another_is_not_a_trial_of_the_method() -> None:
