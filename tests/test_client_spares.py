@@ -25,6 +25,11 @@ def spares(client: Any) -> tuple[int, int]:
     return catalog["num_spare_reservations"], catalog["spare_bytes"]
 
 
+def heartbeats(client: Any) -> int:
+    (mine,) = [c for c in client.stats()["clients"] if c["id"] == client.client_id]
+    return int(mine["heartbeats"])
+
+
 def put_twice(client: Any, name: str, tensor: torch.Tensor) -> None:
     """The second put replaces a version: it leaves a spare."""
     client.put(name, tensor)
@@ -232,3 +237,36 @@ def test_a_spare_older_than_half_the_client_timeout_is_not_written_into(
     finally:
         frozen.close()
         other.close()
+
+
+def test_a_spare_too_old_to_take_goes_back_to_the_daemon_while_the_client_lives(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # A name put for the last time: nothing will ever take its spare.
+    daemon = daemon_factory(**{"daemon.client_timeout_s": 1.0, "daemon.heartbeat_interval_s": 0.25})
+    client = daemon.connect("t")
+    try:
+        put_twice(client, "last", torch.ones(4097))
+        assert spares(client)[0] == 1
+        wait_until(lambda: spares(client) == (0, 0), timeout_s=10,
+                   what="the spare older than half the client timeout to be aborted")
+        assert not client._spares
+        client.put("last", torch.full((4097,), 3.0))  # reserves afresh
+        with client.get("last") as view:
+            assert torch.equal(view, torch.full((4097,), 3.0))
+    finally:
+        client.close()
+
+
+def test_a_spare_young_enough_to_take_is_kept(daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # Half of a 60 s timeout: the spare outlives many heartbeats.
+    daemon = daemon_factory(**{"daemon.client_timeout_s": 60.0, "daemon.heartbeat_interval_s": 0.05})
+    client = daemon.connect("t")
+    try:
+        put_twice(client, "w", torch.ones(4097))
+        wait_until(lambda: heartbeats(client) >= 5, timeout_s=10, what="five heartbeats")
+        assert spares(client)[0] == 1
+        before = ops(client)
+        client.put("w", torch.full((4097,), 2.0))
+        assert ops(client).get("reserve", 0) == before.get("reserve", 0)
+    finally:
+        client.close()

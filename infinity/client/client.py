@@ -66,6 +66,9 @@ _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 # Released shared leases wait for the next message up to this many, then go at once.
 MAX_PENDING_RELEASES = 4096
 _PUT_STRIPES = 64  # locks that puts of one name from several threads take in turn
+# Spares aborted per request: well under wire.MAX_ITEMS, and under its size limit with the
+# longest names.
+_ABORT_BATCH = 2048
 
 
 @dataclasses.dataclass
@@ -351,6 +354,7 @@ class Client:
                     return
                 channel.send(next(self._request_ids), beat, expect_reply=False,
                              releases=self._take_releases())
+                self._give_back_old_spares(channel)
         except InfinityError:
             pass  # the daemon is gone or the session ended: the next call says so
         except zmq.ZMQError:
@@ -627,12 +631,42 @@ class Client:
         # Under the lock until the daemon has them back: a put on another thread that finds no
         # spare must not reserve a name whose spare the daemon still holds.
         with self._spares_lock:
-            by_namespace: dict[str, list[str]] = {}
-            for namespace, name in self._spares:
-                by_namespace.setdefault(namespace, []).append(name)
-            self._spares = {}
-            for namespace, names in by_namespace.items():
-                self._abort_quietly(names, namespace)
+            keys, self._spares = list(self._spares), {}
+            self._abort_keys(keys, self._call)
+
+    def _give_back_old_spares(self, channel: Channel) -> None:
+        """Abort the spares too old for `_take_spares` to hand out: none would ever be written
+        into, and a name not put again (a tensor put for the last time, or deleted by another
+        client) would otherwise hold its spare's room in the tier until the session ends.
+        Runs on the heartbeat thread, over its channel."""
+        if not self._spares:  # the common case, without the lock
+            return
+        with self._spares_lock:  # until the daemon has them back: see `_drop_all_spares`
+            oldest = time.monotonic() - self._spare_max_age_s
+            old = [key for key, spare in self._spares.items() if spare.granted_s < oldest]
+            for key in old:
+                del self._spares[key]
+
+            def call(message: wire.Request) -> tuple[Any, ...]:
+                return self._results(channel.call(next(self._request_ids), message))
+
+            self._abort_keys(old, call)
+
+    def _abort_keys(self, keys: list[tuple[str, str]],
+                    call: Callable[[wire.Request], tuple[Any, ...]]) -> None:
+        """Abort the reservations of these (namespace, name)s through `call`, in requests of
+        at most `_ABORT_BATCH` items; what fails is ignored (a reservation already gone, or the
+        session with it)."""
+        by_namespace: dict[str, list[str]] = {}
+        for namespace, name in keys:
+            by_namespace.setdefault(namespace, []).append(name)
+        for namespace, names in by_namespace.items():
+            for start in range(0, len(names), _ABORT_BATCH):
+                refs = tuple(wire.TensorRef(namespace, n) for n in names[start:start + _ABORT_BATCH])
+                try:
+                    call(wire.Abort(refs))
+                except InfinityError:
+                    pass  # the daemon or the session is gone, and the spares with it
 
     def _keep_spare(self, namespace: str, name: str, placement: Placement,
                     granted_s: float) -> None:

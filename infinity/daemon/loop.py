@@ -27,6 +27,7 @@ log = logging.getLogger("infinityd.loop")
 
 T = TypeVar("T")
 Pollable = Any  # a zmq.Socket or an int fd
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: see server.py
 
 
 class EventLoop:
@@ -143,7 +144,7 @@ class EventLoop:
             while not self._stopping:
                 timeout_ms = self._run_due_timers()
                 for sock, drain in list(zmq_sources.items()):
-                    if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                         self._dispatch(drain, sock)
                         timeout_ms = 0.0  # look at the other fds, then come back
                 if self._stopping:

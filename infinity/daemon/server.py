@@ -54,6 +54,10 @@ LAZY_PLAN_DELAY_S = 0.002
 # Messages served per wake-up before the loop looks at its other fds again.
 ROUTER_BATCH = 256
 HWM_MESSAGES = 100_000
+# pyzmq's flags are enum members, and each `&` or `|` on them builds a new one: plain ints on the
+# per-message path save a few microseconds a request.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 @dataclass(slots=True)
@@ -237,17 +241,17 @@ class Daemon:
         recv, getsockopt = router.recv, router.getsockopt
         for _ in range(ROUTER_BATCH):
             # Asking is cheaper than the exception an empty recv raises.
-            if not cast(int, getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not cast(int, getsockopt(_EVENTS)) & _POLLIN:
                 return
             try:
-                identity = recv(zmq.NOBLOCK)
-                payload = recv(zmq.NOBLOCK) if getsockopt(zmq.RCVMORE) else b""
+                identity = recv(_NOBLOCK)
+                payload = recv(_NOBLOCK) if getsockopt(_RCVMORE) else b""
             except zmq.Again:
                 return
-            if getsockopt(zmq.RCVMORE) or not payload:
+            if getsockopt(_RCVMORE) or not payload:
                 extra = 0
-                while getsockopt(zmq.RCVMORE):
-                    recv(zmq.NOBLOCK)
+                while getsockopt(_RCVMORE):
+                    recv(_NOBLOCK)
                     extra += 1
                 self.counters.malformed += 1
                 self._error(identity, 0, ProtocolError(
@@ -294,8 +298,8 @@ class Daemon:
 
     def _send_reply(self, identity: bytes, request_id: int, data: bytes) -> None:
         try:
-            self.router.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-            self.router.send(data, zmq.NOBLOCK)
+            self.router.send(identity, _SNDMORE_NOBLOCK)
+            self.router.send(data, _NOBLOCK)
         except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: it will time out
             log.debug("reply %d not sent: %s", request_id, exc)
 
