@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import shutil
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -156,6 +157,44 @@ def test_a_cpu_tier_a_quarter_of_the_data_forces_eviction_and_reload_bit_exactly
         assert counters["reloads"] >= 16 and counters["checksum_errors"] == 0
         (me,) = client.stats()["clients"]
         assert me["load_bytes"] == counters["reload_bytes"] > 0
+
+
+@pytest.mark.parametrize("write_behind_bytes", [0, 4 * MiB])
+def test_puts_waiting_at_once_on_a_full_dirty_tier_evict_only_the_room_they_need(
+        store: Store, write_behind_bytes: int) -> None:
+    daemon = store.start(**{"cpu.spare_fraction": 0.0,
+                            "nvme.write_behind_bytes": write_behind_bytes})
+    first = daemon.connect("first")
+    for i in range(16):  # the whole 16 MiB tier, every tensor dirty
+        first.put(f"old{i}", pattern(i, MiB))
+    putters = [daemon.connect(f"p{n}") for n in range(4)]
+    news = [[pattern(100 + 4 * n + j, MiB) for j in range(4)] for n in range(4)]
+    errors: list[BaseException] = []
+
+    def put_four(n: int) -> None:
+        try:
+            for j in range(4):
+                putters[n].put(f"new{n}_{j}", news[n][j])
+        except BaseException as exc:  # raised again below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put_four, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    wait_until(lambda: first.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
+               timeout_s=10, what="the evictions' write-backs to end")
+    # Sixteen new MiB need sixteen old ones out, no more: the rest stays resident.
+    assert tier_counters(first)["evictions"] == 16
+    assert sum("cpu" in info.tier for info in first.list()) == 16
+    for n in range(4):
+        for j in range(4):
+            with first.get(f"new{n}_{j}") as view:
+                assert same_bytes(view, news[n][j])
+    for client in (first, *putters):
+        client.close()
 
 
 def test_gets_of_one_non_resident_tensor_share_one_read(store: Store) -> None:

@@ -420,3 +420,30 @@ def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore,
     cells = [[cell.strip() for cell in row] for row in rows]
     assert any(row[1:6] == ["default", "trainer", "idle", "1", "12"] for row in cells), result.stdout
     client.close()
+
+
+def test_a_prefetch_keeps_its_namespace_within_its_quota_in_a_tier_with_free_room(
+        store: PrefetchStore) -> None:
+    # A 32 MiB tier, a quota of 3 MiB: two layers. Every layer prefetched into free room.
+    client = store.start(**{"cpu.budget_bytes": 32 * MiB,
+                            "scheduler.namespace_quota_bytes": {"w": 3 * MiB}}).connect("t")
+    write_layers(client, namespace="w", count=8)
+    run_step(client, list(range(8)), namespace="w")  # recorded with demand loads
+    # Push every layer out: fill the tier with another namespace, then free it again.
+    for j in range(30):
+        client.put(f"f{j}", torch.zeros(MiB // 4), namespace="other")
+    client.delete([f"f{j}" for j in range(30)], namespace="other")
+    layer_bytes = LAYER_SHAPE[0] * LAYER_SHAPE[1] * 4
+    peak = 0
+    with client.step(namespace="w") as step:
+        for i in range(8):
+            with client.get(f"layer{i}", namespace="w") as view:
+                assert view[0, 0].item() == i
+            wait_until(lambda: client.stats()["scheduler"]["prefetch_inflight_bytes"] == 0,
+                       timeout_s=10, what="the prefetches under way to land")
+            (mine,) = [n for n in client.stats()["scheduler"]["namespaces"] if n["namespace"] == "w"]
+            peak = max(peak, mine["bytes"])
+    assert step.counters["prefetch_hits"] >= 4  # the quota left room to prefetch ahead
+    # The quota's two layers, and the one the get itself loads on demand past it at worst.
+    assert peak <= 3 * MiB + layer_bytes, f"namespace w held {peak} bytes against a 3 MiB quota"
+    client.close()

@@ -95,6 +95,7 @@ class _WriteBack:
     edits: int  # the version's exclusive-lease count when it started: more means stale
     waiters: list[Callback]
     ahead: int = 0  # bytes it counts against nvme.write_behind_bytes (0 once it is an eviction)
+    evicting: int = 0  # CPU bytes its eviction will free, once it is one
 
 
 @dataclass(eq=False, slots=True)
@@ -221,6 +222,10 @@ class TierManager:
         self._space_waiters: list[Callback] = []
         self._wake_scheduled = False
         self._evicting = 0  # write-backs whose version is evicted once written
+        self._evicting_bytes = 0  # the CPU bytes those will free
+        # Bytes of allocations that have waited for those evictions since the waiters last
+        # retried: what is being evicted beyond them is room nobody waits for yet.
+        self._awaited_bytes = 0
         self._write_behind_bytes = 0  # bytes being written back ahead of need
         self._disk_growth: dict[int, list[Callback]] = {}
         self._indexed: dict[Key, DiskCopy] = {}  # what the committed index says, name by name
@@ -429,6 +434,7 @@ class TierManager:
 
     def _run_space_waiters(self, error: InfinityError | None = None) -> None:
         self._wake_scheduled = False
+        self._awaited_bytes = 0  # each waiter that must wait again counts itself anew
         waiters, self._space_waiters = self._space_waiters, []
         for waiter in waiters:
             try:
@@ -472,6 +478,7 @@ class TierManager:
         choose again without dirty victims) or _NOTHING (nothing may go)."""
         ahead = self.config.nvme.write_behind_bytes
         error_before = self.write_error
+        wanted = nbytes
         victims: list[Key] | None
         if prefetch_of is not None and self.scheduler is not None:
             free = self.arena.budget_bytes - self.arena.used_bytes
@@ -481,6 +488,14 @@ class TierManager:
                 return _NOTHING  # everything that could go is needed before the prefetched tensor
             ahead = 0
         else:
+            # Allocations waiting at once (several puts into a full tier) would each choose
+            # victims for their whole size, though the write-backs the first ones started
+            # free room for the later ones too.
+            unclaimed = self._evicting_bytes - self._awaited_bytes
+            if unclaimed >= nbytes:
+                self._awaited_bytes += nbytes
+                return _PENDING
+            nbytes -= max(0, unclaimed)
             victims = self.policy.choose_victims(self.candidates, nbytes + ahead)
         freed = False
         covered = 0
@@ -501,7 +516,8 @@ class TierManager:
         if freed:
             return _FREED
         if self._evicting:
-            return _PENDING  # a write-back in flight will evict and wake the waiters
+            self._awaited_bytes += wanted  # a write-back in flight will evict and wake the waiters
+            return _PENDING
         if self.write_error is not None and error_before is None:
             return _RETRY
         return _NOTHING
@@ -539,6 +555,9 @@ class TierManager:
         if evict and not version.evict_when_clean:
             version.evict_when_clean = True
             self._evicting += 1
+            assert version.cpu is not None
+            wb.evicting = version.cpu.length
+            self._evicting_bytes += wb.evicting
             self._write_behind_bytes -= wb.ahead  # needed now, no longer ahead
             wb.ahead = 0
         if waiter is not None:
@@ -613,6 +632,7 @@ class TierManager:
         if evict:
             version.evict_when_clean = False
             self._evicting -= 1
+            self._evicting_bytes -= wb.evicting
         self._write_behind_bytes -= wb.ahead
         counters = self.counters
         if layout is not None:
@@ -748,14 +768,31 @@ class TierManager:
         return True
 
     def _room_for_prefetch(self, version: Version) -> bool:
-        """Free space, or tensors needed later than this one to evict: checked before a load
-        starts, so that a prefetch without room costs nothing and is not retried every turn."""
+        """Free space, or tensors needed later than this one to evict, and room in the tensor's
+        namespace quota: checked before a load starts, so that a prefetch without room costs
+        nothing and is not retried every turn.
+
+        Where free space covers the load, the victims its quota asks for go now: the load's
+        allocation will not evict (it finds the space), and the namespace would grow past its
+        quota with every prefetch. Dirty ones are written back first, as in `_evict_for`."""
         assert self.scheduler is not None
         free = self.arena.budget_bytes - self.arena.used_bytes
-        if free >= version.nbytes:
+        short = max(0, version.nbytes - free)
+        if not short and self.config.scheduler.quota_bytes(version.key[0]) is None:
             return True
-        return self.scheduler.victims_for_prefetch(version.key, self.candidates,
-                                                   version.nbytes - free) is not None
+        victims = self.scheduler.victims_for_prefetch(version.key, self.candidates, short)
+        if victims is None:
+            return False
+        if not short:
+            for key in victims:
+                victim = self.resident.get(key)
+                if victim is None or key not in self.candidates:
+                    continue
+                if victim.dirty or victim.writeback is not None:
+                    self._write_back(victim, evict=True)
+                else:
+                    self._evict(victim)
+        return True
 
     def _check_fits(self, version: Version) -> None:
         if version.nbytes > self.arena.budget_bytes:
