@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -103,6 +104,25 @@ def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.01)
+
+
+def run_in_threads(work: Callable[[int], None], count: int) -> None:
+    """Run work(0) .. work(count - 1) on threads at once; re-raise the first failure here."""
+    errors: list[BaseException] = []
+
+    def run(me: int) -> None:
+        try:
+            work(me)
+        except BaseException as exc:  # the test's thread raises it below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(me,)) for me in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 @dataclass

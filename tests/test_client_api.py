@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import RunningDaemon, wait_until
+from conftest import RunningDaemon, run_in_threads, wait_until
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InvalidRequestError,
                              LeaseError, NotFoundError)
 from infinity.protocol import wire
@@ -363,21 +363,11 @@ def test_a_released_lease_used_again_is_a_lease_error(client: Any) -> None:
 
 
 def test_puts_of_one_name_from_several_threads_all_succeed(client: Any) -> None:
-    errors: list[BaseException] = []
+    def put_often(me: int) -> None:
+        for _ in range(25):
+            client.put("shared", torch.full((1021,), float(me)))
 
-    def put_often(value: float) -> None:
-        try:
-            for _ in range(25):
-                client.put("shared", torch.full((1021,), value))
-        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
-            errors.append(exc)
-
-    threads = [threading.Thread(target=put_often, args=(float(i),)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_in_threads(put_often, 4)
     with client.get("shared") as shared:
         assert float(shared[0]) in {0.0, 1.0, 2.0, 3.0} and bool((shared == shared[0]).all())
 

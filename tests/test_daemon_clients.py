@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -17,7 +16,7 @@ import torch
 import zmq
 
 import infinity
-from conftest import wait_until
+from conftest import run_in_threads, wait_until
 from infinity.errors import DaemonUnavailableError, ForkedClientError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
@@ -257,23 +256,13 @@ def test_four_processes_read_and_write_at_once_without_torn_reads(
 
 
 def test_threads_share_one_client(client: Any) -> None:
-    errors: list[BaseException] = []
-
     def work(me: int) -> None:
-        try:
-            for i in range(50):
-                client.put(f"th{me}", torch.full((100,), float(i)))
-                with client.get(f"th{me}") as view:
-                    assert torch.all(view == i)
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(50):
+            client.put(f"th{me}", torch.full((100,), float(i)))
+            with client.get(f"th{me}") as view:
+                assert torch.all(view == i)
 
-    threads = [threading.Thread(target=work, args=(me,)) for me in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(work, 8)
     assert client.stats()["catalog"]["num_leases"] == 0
 
 

@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import shutil
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -18,7 +17,8 @@ import pytest
 import torch
 
 import infinity
-from conftest import RunningDaemon, short_tmp_root, start_daemon_process, wait_until
+from conftest import (RunningDaemon, run_in_threads, short_tmp_root, start_daemon_process,
+                      wait_until)
 from infinity.cli.main import main as infinity_main
 from infinity.errors import (ChecksumError, DiskFullError, InfinityError, InvalidRequestError,
                              StoreFullError, TierFullError, TooLargeError)
@@ -169,21 +169,12 @@ def test_puts_waiting_at_once_on_a_full_dirty_tier_evict_only_the_room_they_need
         first.put(f"old{i}", pattern(i, MiB))
     putters = [daemon.connect(f"p{n}") for n in range(4)]
     news = [[pattern(100 + 4 * n + j, MiB) for j in range(4)] for n in range(4)]
-    errors: list[BaseException] = []
 
     def put_four(n: int) -> None:
-        try:
-            for j in range(4):
-                putters[n].put(f"new{n}_{j}", news[n][j])
-        except BaseException as exc:  # raised again below, in the test's thread
-            errors.append(exc)
+        for j in range(4):
+            putters[n].put(f"new{n}_{j}", news[n][j])
 
-    threads = [threading.Thread(target=put_four, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(put_four, 4)
     wait_until(lambda: first.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
                timeout_s=10, what="the evictions' write-backs to end")
     # Sixteen new MiB need sixteen old ones out, no more: the rest stays resident.
