@@ -277,6 +277,23 @@ class CpuArena:
 
     # --- segments going away -----------------------------------------------------
 
+    def segment_bytes_to_empty(self, nbytes: int) -> int:
+        """For an allocation of `nbytes` that needs a dedicated segment: the bytes of segments
+        holding something that must be emptied (then retired) before that segment fits the
+        budget; 0 when it fits already, or the allocation needs no dedicated segment."""
+        length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        if length <= self.config.segment_bytes:
+            return 0
+        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+        return max(0, need - self._room_bytes() - self._empty_standard_bytes())
+
+    def segments_in_use(self) -> list[tuple[int, int, int]]:
+        """(segment id, size, bytes in use) of each segment that holds something. Emptied, a
+        dedicated segment is retired at once, a standard one when a dedicated allocation
+        needs its budget."""
+        return [(s.id, s.size_bytes, s.allocator.used_bytes) for s in self.segments.values()
+                if s.allocator.used_bytes]
+
     def _empty_standard_bytes(self) -> int:
         return sum(s.size_bytes for s in self.segments.values()
                    if not s.dedicated and s.allocator.used_bytes == 0)

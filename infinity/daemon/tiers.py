@@ -179,6 +179,7 @@ class _Candidates(Mapping[Key, int]):
 
 
 _FREED, _PENDING, _NOTHING, _RETRY = "freed", "pending", "nothing", "retry"
+_NO_SEGMENT = "no segment"  # a tensor over a segment's size, and no segment can be emptied
 
 
 def staged_wanted(config: InfinityConfig, setting: str) -> bool:
@@ -376,6 +377,13 @@ class TierManager:
                 continue
             if outcome == _PENDING:
                 raise SpaceShortage(nbytes, dedicated=False)
+            if outcome == _NO_SEGMENT:
+                raise TierFullError(
+                    f"{what} needs {nbytes} bytes, more than a CPU-tier segment "
+                    f"(cpu.segment_bytes={self.arena.config.segment_bytes}), so it needs a "
+                    f"segment of its own, and every segment that would make the budget for one "
+                    f"holds a leased or busy slice; release leases, or raise cpu.budget_bytes "
+                    f"or cpu.segment_bytes")
             error = self.write_error
             if error is not None and any(v.dirty for v in self.resident.values()):
                 raise type(error)(
@@ -476,6 +484,11 @@ class TierManager:
         """Free CPU space for an allocation of `nbytes`: _FREED (retry now), _PENDING (victims
         are being written back: wait for `when_space`), _RETRY (a write-back failed at once:
         choose again without dirty victims) or _NOTHING (nothing may go)."""
+        if self.arena.segment_bytes_to_empty(nbytes):
+            # Victims chosen tensor by tensor free bytes all over the segments, and a tensor
+            # larger than a segment needs whole segments emptied to make the budget for its
+            # own: it could evict the whole tier and still not fit.
+            return _NOTHING if prefetch_of is not None else self._empty_segments_for(nbytes)
         ahead = self.config.nvme.write_behind_bytes
         error_before = self.write_error
         wanted = nbytes
@@ -521,6 +534,45 @@ class TierManager:
         if self.write_error is not None and error_before is None:
             return _RETRY
         return _NOTHING
+
+    def _empty_segments_for(self, nbytes: int) -> str:
+        """Evict every tensor of the fewest-used segments whose bytes all belong to
+        tensors that may go (or are going), until retiring them makes the budget for the
+        dedicated segment of an allocation of `nbytes`: _FREED, _PENDING (dirty ones are
+        written back first), or _NO_SEGMENT, evicting nothing, if those cannot make it."""
+        short = self.arena.segment_bytes_to_empty(nbytes)
+        going: dict[int, int] = {}  # segment -> bytes of its tensors that may go or are going
+        members: dict[int, list[Version]] = {}
+        for key, version in self.resident.items():
+            piece = version.cpu
+            if piece is None:
+                continue
+            if key in self.candidates:
+                members.setdefault(piece.segment, []).append(version)
+            elif not version.evict_when_clean:
+                continue
+            going[piece.segment] = going.get(piece.segment, 0) + piece.length
+        chosen: list[int] = []
+        made = 0
+        for segment, size, used in sorted(self.arena.segments_in_use(), key=lambda s: s[2]):
+            if made >= short:
+                break
+            if going.get(segment, 0) == used:
+                chosen.append(segment)
+                made += size
+        if made < short:
+            return _NO_SEGMENT
+        freed = False
+        for segment in chosen:
+            for version in members.get(segment, []):
+                if version.dirty or version.writeback is not None:
+                    self._write_back(version, evict=True)
+                else:
+                    self._evict(version)
+                    freed = True
+        if freed:
+            return _FREED
+        return _PENDING if self._evicting else _NOTHING
 
     def _evict(self, version: Version) -> None:
         assert version.cpu is not None and not version.dirty
