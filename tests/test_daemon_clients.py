@@ -266,6 +266,20 @@ def test_threads_share_one_client(client: Any) -> None:
     assert client.stats()["catalog"]["num_leases"] == 0
 
 
+def test_the_sockets_of_client_threads_that_ended_leave_the_session(client: Any) -> None:
+    def sockets() -> int:
+        (mine,) = [c for c in client.stats()["clients"] if c["id"] == client.client_id]
+        return int(mine["sockets"])
+
+    client.put("w", torch.ones(7))
+    before = sockets()  # this thread's and the heartbeat thread's
+    for _ in range(3):  # one after another: each thread's socket goes when the thread ends
+        run_in_threads(lambda me: client.get("w").release(), 17)
+    wait_until(lambda: sockets() == before, timeout_s=10,
+               what="the ended threads' sockets to leave the session")
+    run_in_threads(lambda me: client.get("w").release(), 3)  # the session still serves threads
+
+
 def test_daemon_killed_mid_session_gives_daemon_unavailable_promptly(
         daemon: Any, client: Any) -> None:
     client.put("k", torch.ones(1))

@@ -13,6 +13,7 @@ from infinity.protocol import dtypes, wire
 REQUESTS: list[wire.Request] = [
     wire.Hello(wire.PROTOCOL_VERSION, "trainer", 1234, 1700000000.25),
     wire.Attach(b"\x01" * 16),
+    wire.Detach(),
     wire.Heartbeat(),
     wire.Bye(),
     wire.Stats(),

@@ -31,6 +31,7 @@ from infinity.errors import DaemonUnavailableError, InfinityError, InvalidReques
 from infinity.protocol import wire
 
 TICK_S = 0.1
+FAREWELL_LINGER_MS = 200  # how long a dropped channel's socket may take to deliver its detach
 
 LateReply = Callable[[wire.Reply], None]  # undoes what an answer given up on holds
 
@@ -57,6 +58,7 @@ class Channel:
         self._state = threading.Lock()  # for the two flags below
         self._in_use = False  # a thread is sending or waiting on the socket
         self._shut_asked = False  # by `shut`, while another thread used the socket
+        self._farewell: bytes | None = None  # sent when the channel is dropped
 
     def send(self, request_id: int, message: wire.Request, *, expect_reply: bool,
              releases: Sequence[int] = ()) -> None:
@@ -218,7 +220,20 @@ class Channel:
             f"this infinity Client was closed (by another thread) while {what} waited for its "
             f"reply; call infinity.connect() again") from None
 
+    def detach_when_dropped(self, request_id: int) -> None:
+        """When this channel is dropped unclosed (its thread ended), tell the daemon, so that
+        a session whose client runs many short-lived threads does not collect their sockets."""
+        self._farewell = wire.encode_request(request_id, wire.Detach(), ())
+
     def __del__(self) -> None:
         # The channel of a thread that ended goes with the thread's locals; its socket with it.
-        if not self.sock.closed:
+        if self.sock.closed:
+            return
+        if self._farewell is None or os.getpid() != self._pid:
             self.close()
+            return
+        try:
+            self.sock.send(self._farewell, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the daemon or the context is gone: nothing to detach from
+        self.close(linger_ms=FAREWELL_LINGER_MS)

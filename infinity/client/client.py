@@ -306,6 +306,7 @@ class Client:
         """A new socket, attached to this client's session."""
         channel = self._new_channel()
         self._results(channel.call(next(self._request_ids), wire.Attach(self._token)))
+        channel.detach_when_dropped(next(self._request_ids))
         return channel
 
     def _call(self, message: wire.Request, *, patient: bool = False,

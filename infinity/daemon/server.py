@@ -178,6 +178,7 @@ class Daemon:
             "list": self._list,
             "stats": self._stats,
             "bye": self._bye,
+            "detach": self._detach,
             "shutdown": self._shutdown,
             "attach": self._attach_again,
             "hello": self._hello_again,
@@ -428,6 +429,11 @@ class Daemon:
                    body: Sequence[Any]) -> None:
         wire.Heartbeat.from_body(body)
         session.counters.heartbeats += 1
+
+    def _detach(self, session: Session, identity: bytes, request_id: int,
+                body: Sequence[Any]) -> None:
+        wire.Detach.from_body(body)
+        self.sessions.detach(session, identity)
 
     def _bye(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
         wire.Bye.from_body(body)

@@ -132,6 +132,12 @@ class Sessions:
         session.identities.add(identity)
         self.by_identity[identity] = session
 
+    def detach(self, session: Session, identity: bytes) -> None:
+        """The socket `identity` leaves the session (its client thread ended); the session stays."""
+        session.identities.discard(identity)
+        if self.by_identity.get(identity) is session:
+            del self.by_identity[identity]
+
     def expired(self, now: float, timeout_s: float) -> list[Session]:
         return [s for s in self.by_id.values() if now - s.last_seen > timeout_s]
 

@@ -40,8 +40,9 @@ import msgpack
 from infinity.errors import (InfinityError, InvalidRequestError, ProtocolError, VersionMismatchError,
                              error_from_code)
 
-PROTOCOL_VERSION = 5  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
-# 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after)
+PROTOCOL_VERSION = 6  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+# 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
+# 6: op detach
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
@@ -299,6 +300,22 @@ class Heartbeat:
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> Heartbeat:
         _list(body, "heartbeat", 0)
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Detach:
+    """Takes the sending socket out of its session (the client thread that owned it ended);
+    the session, and what it holds, stay; no reply."""
+
+    OP: ClassVar[str] = "detach"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Detach:
+        _list(body, "detach", 0)
         return cls()
 
 
@@ -648,17 +665,17 @@ class Upcoming:
 
 MAX_UPCOMING_ENTRIES = 4096
 
-Request = Union[Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
+Request = Union[Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
                 Delete, Exists, ListTensors, Step, GetAhead, Upcoming]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
-    Hello, Attach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
+    Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
     CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
     ListTensors, Step, GetAhead, Upcoming)}
 
 # Operations the daemon never answers (a client must not wait for them).
-NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye"})
+NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach"})
 
 
 def encode_request(request_id: int, message: Request, releases: Sequence[int] = ()) -> bytes:
