@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,16 @@ infinity::OpSpec parse_op(const py::handle& item, size_t i) {
                          py::str(item).cast<std::string>() + " (expected bool, int, int, int, int, bool, int, int[, bool])");
   }
 }
+
+// An engine dropped without close() closes in its destructor, which waits for the ops in
+// flight and joins the I/O threads: not with the GIL held, or every Python thread stalls as
+// long as the slowest op (the threads never call into Python, so releasing it is safe).
+struct EngineDeleter {
+  void operator()(infinity::Engine* engine) const {
+    py::gil_scoped_release nogil;
+    delete engine;
+  }
+};
 
 py::tuple result_tuple(const infinity::BatchResult& r) { return py::make_tuple(r.id, r.err, r.message); }
 
@@ -153,7 +164,7 @@ PYBIND11_MODULE(_native, m) {
                                /*readonly=*/false);
       });
 
-  py::class_<infinity::Engine>(m, "Engine")
+  py::class_<infinity::Engine, std::unique_ptr<infinity::Engine, EngineDeleter>>(m, "Engine")
       .def(py::init<int, int, int64_t, const std::string&, int64_t>(), "num_threads"_a, "queue_depth"_a,
            "block_size_bytes"_a, "backend"_a = "auto", "staging_bytes"_a = int64_t(4) << 20,
            py::call_guard<py::gil_scoped_release>())

@@ -116,6 +116,10 @@ SCRIPT = textwrap.dedent(
         t.start()
     for t in closers:
         t.join()
+    # Dropped without close(), with a batch queued: the destructor closes it (without the GIL).
+    dropped = n.Engine(1, 4, 4096, "threads")
+    dropped.submit([(False, 0, dst.address, 0, 0, False, 0, 0)])
+    del dropped
 
     # Streaming copy: odd sizes, odd offsets, split across threads.
     big = n.AlignedBuffer(40 * MiB + 8192)

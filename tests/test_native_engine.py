@@ -525,6 +525,31 @@ def test_wait_releases_the_gil(pipe_engine: tuple[_native.Engine, int, int]) -> 
     assert during > 100
 
 
+def test_an_engine_dropped_without_close_waits_for_its_ops_without_the_gil() -> None:
+    kind = "io_uring" if _native.probe_io_uring()[0] else "aio" if _native.probe_aio()[0] else None
+    if kind is None:
+        pytest.skip("needs io_uring or kernel AIO: a read from an empty pipe is the op that waits")
+    r, w = os.pipe()
+    buf = _native.AlignedBuffer(4096)
+    holder = [_native.Engine(1, 1, 4096, kind)]
+    holder[0].submit([(False, r, buf.address, 4096, 0, True, 0, 0)])
+    wait_until_worker_blocks_in_io()
+    # The pipe is written a second from now by another process: a Python thread could not
+    # do it while the dropping thread held the GIL.
+    writer = subprocess.Popen(["sh", "-c", "sleep 1 && head -c 4096 /dev/zero"], stdout=w)
+    dropper = threading.Thread(target=holder.clear)  # the last reference: the destructor runs
+    longest_gap_s, last = 0.0, time.monotonic()
+    dropper.start()
+    while dropper.is_alive():  # this thread runs Python all along if the drop let go of the GIL
+        now = time.monotonic()
+        longest_gap_s, last = max(longest_gap_s, now - last), now
+    dropper.join()
+    assert writer.wait(60) == 0
+    os.close(r)
+    os.close(w)
+    assert longest_gap_s < 0.5, f"this thread stood still for {longest_gap_s:.2f}s"
+
+
 def test_each_batch_is_reported_exactly_once(engine: _native.Engine) -> None:
     first, second = engine.submit([]), engine.submit([])
     assert engine.wait(first, 5.0) == (0, "")
