@@ -372,14 +372,64 @@ def test_puts_of_one_name_from_several_threads_all_succeed(client: Any) -> None:
         assert float(shared[0]) in {0.0, 1.0, 2.0, 3.0} and bool((shared == shared[0]).all())
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.empty(5, device="meta"),
-    lambda: torch.ones(4, 4).to_sparse(),
-], ids=["meta", "sparse"])
-def test_a_tensor_without_dense_bytes_is_refused_with_advice(client: Any, make: Any) -> None:
-    with pytest.raises(InvalidRequestError, match="meta device|to_dense"):
+def _fake_tensor() -> torch.Tensor:
+    """A tensor with a shape and no memory, as torch.compile traces with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(5)
+
+
+@pytest.mark.parametrize("make, advice", [
+    (lambda: torch.empty(5, device="meta"), "meta device"),
+    (lambda: torch.ones(4, 4).to_sparse(), "to_dense"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "unbind"),
+    (lambda: torch.quantize_per_tensor(torch.ones(7), 0.1, 0, torch.quint8), "int_repr"),
+    (lambda: [1.0, 2.0], "torch tensor"),
+    (lambda: _fake_tensor(), "no memory of its own"),
+], ids=["meta", "sparse", "nested", "quantized", "list", "fake"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on prototype and fake tensors
+def test_a_tensor_without_dense_bytes_is_refused_with_advice(client: Any, make: Any,
+                                                             advice: str) -> None:
+    with pytest.raises(InvalidRequestError, match=advice):
         client.put("none", make())
+    with pytest.raises(InvalidRequestError, match=advice):
+        client.write_from("none", make())
     assert not client.exists("none")
+
+
+def test_a_zero_tensor_is_stored_as_zeros(client: Any) -> None:
+    zeros = torch._efficientzerotensor(5, 3)  # what autograd passes for a gradient known zero
+    client.put("z", zeros)
+    client.write_from("zw", zeros)
+    for name in ("z", "zw"):
+        with client.get(name) as view:
+            assert torch.equal(view, torch.zeros(5, 3))
+    with pytest.raises(InvalidRequestError, match="no memory to write into"):
+        client.read_into("z", zeros)
+
+
+@pytest.mark.parametrize("spec, fault", [
+    ((torch.float32, (2.5, 3)), "not an integer"),
+    ((torch.float32, (True, 3)), "not an integer"),
+    ((torch.float32, 5), "sequence of sizes"),
+    ((torch.float32, (2**64,)), "2\\*\\*50"),
+    ((torch.uint8, (0, 2**40, 2**40)), "strides"),
+    (("float32", (3,)), "torch.dtype"),
+    ((torch.float32, (3,), 0), "pair"),
+], ids=["float", "bool", "int", "huge", "strides", "dtype-name", "triple"])
+def test_a_reserve_item_that_is_no_tensor_spec_is_refused_before_it_is_sent(
+        client: Any, spec: Any, fault: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"'r': .*{fault}"):
+        client.reserve({"r": spec})
+    assert client.stats()["catalog"]["num_reservations"] == 0
+
+
+def test_a_string_of_names_is_one_name(client: Any) -> None:
+    client.put("ab", torch.ones(3))
+    with client.get_many("ab") as (view,):
+        assert torch.equal(view, torch.ones(3))
+    assert client.exists_many("ab") == [True]
 
 
 def test_read_into_an_output_without_bytes_is_refused(client: Any) -> None:

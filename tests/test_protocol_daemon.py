@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from infinity.errors import ProtocolError, VersionMismatchError
+from infinity.errors import InvalidRequestError, ProtocolError, VersionMismatchError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
 
@@ -247,3 +247,13 @@ def test_a_shape_with_a_zero_and_a_dimension_past_2_to_the_63_is_refused(
     (result,) = raw.recv().results
     assert type(result) is wire.ItemError and "dimension of more than 2**50" in result.message
     assert not client.exists("evil")
+
+
+def test_a_zero_element_shape_whose_strides_overflow_is_refused_and_the_daemon_keeps_serving(
+        raw: RawSocket, client: Any) -> None:
+    raw.hello()
+    reply = raw.call(2, wire.Reserve((wire.ReserveItem("ns", "z", "uint8", (0, 2**40, 2**40)),)))
+    (result,) = reply.results
+    assert isinstance(result, wire.ItemError)
+    assert isinstance(result.exception(), InvalidRequestError) and "strides" in result.message
+    _assert_daemon_serves(client)

@@ -36,6 +36,7 @@ import builtins
 import contextlib
 import dataclasses
 import itertools
+import operator
 from collections import deque
 import os
 import sys
@@ -55,6 +56,7 @@ from infinity.errors import (DaemonUnavailableError, ForkedClientError, Infinity
                              InvalidRequestError, LeaseError, TierFullError)
 from infinity.io import copy_into
 from infinity.protocol import wire
+from infinity.protocol.dtypes import tensor_nbytes
 from infinity.protocol.paths import RuntimeLayout
 from infinity.protocol.wire import ItemError, Placement
 
@@ -120,7 +122,8 @@ class ResidentRequester:
         self._client = client
         self._channel: Channel | None = None
 
-    def send(self, names: Sequence[str], *, namespace: str = "default") -> PendingResident:
+    def send(self, names: Names, *, namespace: str = "default") -> PendingResident:
+        names = _names(names)
         client = self._client
         client._check_usable()
         if self._channel is None:
@@ -128,7 +131,7 @@ class ResidentRequester:
         lease_id = next(client._request_ids)
         self._channel.send(lease_id, wire.GetAhead.for_names(namespace, names, False),
                            expect_reply=True, releases=client._take_releases())
-        return PendingResident(client, self._channel, lease_id, list(names))
+        return PendingResident(client, self._channel, lease_id, names)
 
 
 class PendingResident:
@@ -375,13 +378,14 @@ class Client:
         return self._lease(wire.Get((wire.GetItem(namespace, name, exclusive),)),
                            exclusive=exclusive, single=True)
 
-    def get_many(self, names: Sequence[str], *, namespace: str = "default",
+    def get_many(self, names: Names, *, namespace: str = "default",
                  exclusive: bool = False) -> Lease:
-        """Lease several tensors in one request; `with` yields the list of views, in order."""
-        return self._lease(wire.Get.for_names(namespace, names, exclusive),
+        """Lease several tensors in one request; `with` yields the list of views, in order
+        (a single name, as a string, is a list of one)."""
+        return self._lease(wire.Get.for_names(namespace, _names(names), exclusive),
                            exclusive=exclusive, single=False)
 
-    def get_resident(self, names: Sequence[str], *, namespace: str = "default"
+    def get_resident(self, names: Names, *, namespace: str = "default"
                      ) -> tuple[Lease | None, builtins.list[str]]:
         """Lease those of `names` that the CPU tier holds now, in one request, for bringing
         them somewhere ahead of their use (as `DeviceCache` does with what `upcoming` names).
@@ -392,12 +396,13 @@ class Client:
         daemon's scheduler: they do not enter the step's trace. Returns the lease, None when
         it holds nothing, and the names it holds, in the order of its views.
         `resident_requester()` sends such requests to be answered later."""
+        names = _names(names)
         self._check_usable()
         channel = self._channel()
         lease_id = next(self._request_ids)
         channel.send(lease_id, wire.GetAhead.for_names(namespace, names, False),
                      expect_reply=True, releases=self._take_releases())
-        return PendingResident(self, channel, lease_id, list(names)).result()
+        return PendingResident(self, channel, lease_id, names).result()
 
     def resident_requester(self) -> ResidentRequester:
         """Something that sends `get_resident` requests now and takes their answers later, on
@@ -530,14 +535,8 @@ class Client:
 
         Each item is a tensor to mimic (dtype and shape) or a (dtype, shape) pair.
         """
-        wanted = []
-        for name, spec in items.items():
-            if isinstance(spec, torch.Tensor):
-                dtype, shape = spec.dtype, tuple(spec.shape)
-            else:
-                dtype, dims = spec
-                shape = tuple(int(d) for d in dims)
-            wanted.append(wire.ReserveItem(namespace, name, dtype_name(dtype), shape))
+        wanted = [wire.ReserveItem(namespace, name, *_reserve_spec(name, spec))
+                  for name, spec in items.items()]
         self._check_usable()
         taken, stale = self._take_spares(wanted)
         if stale:
@@ -792,7 +791,7 @@ class Client:
         loading it into the tier. Works for tensors larger than the CPU tier, which `get`
         refuses (TooLargeError).
         """
-        flat = _byte_view(out, "out")
+        flat = _byte_view(out, "out", written=True)
         info = self._open_stream(wire.StreamOpen(namespace, name, "read"))
         try:
             if info.nbytes != flat.numel():
@@ -815,7 +814,7 @@ class Client:
         Nothing is published unless every byte was written. durable=True: return once it is
         durable (see `commit`). Returns the version number.
         """
-        flat = _byte_view(src, "src")
+        flat = _byte_view(src, "src", written=False)
         if self._forget_spares(namespace, [name]):
             self._abort_quietly([name], namespace)  # the stream reserves the name itself
         info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
@@ -948,8 +947,8 @@ class Client:
     def exists(self, name: str, *, namespace: str = "default") -> bool:
         return self.exists_many([name], namespace=namespace)[0]
 
-    def exists_many(self, names: Sequence[str], *, namespace: str = "default") -> list[bool]:
-        results = self._call(wire.Exists(tuple(wire.TensorRef(namespace, n) for n in names)))
+    def exists_many(self, names: Names, *, namespace: str = "default") -> list[bool]:
+        results = self._call(wire.Exists(tuple(wire.TensorRef(namespace, n) for n in _names(names))))
         self._raise_first(results)
         return [wire.decode_bool(r) for r in results]
 
@@ -1079,9 +1078,14 @@ class _Spare:
     granted_s: float  # time.monotonic() when the commit that left it was sent
 
 
-def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 view (no copy)."""
+def _byte_view(t: torch.Tensor, what: str, *, written: bool) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (no copy); written: the bytes will be written to."""
     _check_dense(t, what)
+    if _is_zero_tensor(t):
+        if written:
+            raise InvalidRequestError(f"`{what}` is a ZeroTensor, which has no memory to write "
+                                      f"into; pass a tensor of its own (torch.empty(...))")
+        t = _materialized(t)
     if t.is_conj() or t.is_neg():
         raise InvalidRequestError(f"`{what}` is a conjugate or negative view, whose bytes are not "
                                   f"its values; pass {what}.resolve_conj().resolve_neg()")
@@ -1092,12 +1096,74 @@ def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _check_dense(t: torch.Tensor, what: str) -> None:
+    """InvalidRequestError, with advice, for anything but a dense tensor whose memory can be
+    read (a ZeroTensor passes: it reads as zeros)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidRequestError(f"`{what}` must be a torch tensor, not {type(t).__name__}")
+    if t.is_nested:
+        raise InvalidRequestError(f"`{what}` is a nested tensor; store its parts (unbind()) or a "
+                                  f"padded tensor (to_padded_tensor(0.0))")
+    if t.is_quantized:
+        raise InvalidRequestError(f"`{what}` is a quantized tensor, and the store holds plain "
+                                  f"dtypes: use {what}.int_repr() (with its scale and zero point) "
+                                  f"or {what}.dequantize()")
     if t.layout is not torch.strided:
         raise InvalidRequestError(f"`{what}` is a {t.layout} tensor; the store holds dense ones: "
                                   f"pass {what}.to_dense()")
     if t.device.type == "meta":
         raise InvalidRequestError(f"`{what}` is on the meta device and has no bytes; materialize "
                                   f"it first (torch.empty_like(..., device='cpu'), say)")
+    if t.numel() and not _is_zero_tensor(t):
+        try:
+            address = t.data_ptr()
+        except RuntimeError:  # a tensor inside torch.func transforms (vmap, grad)
+            address = 0
+        if not address:
+            raise InvalidRequestError(
+                f"`{what}` has no memory of its own (a FakeTensor, or a tensor inside a "
+                f"torch.func transform); pass a real tensor")
+
+
+def _is_zero_tensor(t: torch.Tensor) -> bool:
+    is_zero = getattr(t, "_is_zerotensor", None)  # private in torch, hence the care
+    return bool(is_zero()) if is_zero is not None else False
+
+
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """A ZeroTensor (zeros without memory, from autograd) as a real tensor of zeros."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if _is_zero_tensor(t) else t
+
+
+def _reserve_spec(name: str, spec: Any) -> tuple[str, tuple[int, ...]]:
+    """(wire dtype name, shape) of one `reserve` item: a tensor to mimic or a (dtype, shape)
+    pair, checked here (InvalidRequestError) rather than refused by the daemon or msgpack."""
+    if isinstance(spec, torch.Tensor):
+        _check_dense(spec, name)
+        dtype, dims = spec.dtype, tuple(spec.shape)
+    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+        dtype, dims = spec
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidRequestError(f"{name!r}: a reserve item's dtype must be a torch.dtype, "
+                                      f"not {type(dtype).__name__}")
+        if isinstance(dims, (str, bytes)) or not isinstance(dims, Iterable):
+            raise InvalidRequestError(f"{name!r}: a reserve item's shape is a sequence of sizes "
+                                      f"(torch.Size, tuple or list), not {type(dims).__name__}; "
+                                      f"one dimension is ({dims!r},)")
+        dims = tuple(dims)
+        for dim in dims:
+            if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+                raise InvalidRequestError(f"{name!r}: shape {dims!r} has a size that is not an "
+                                          f"integer ({dim!r})")
+        dims = tuple(operator.index(dim) for dim in dims)
+    else:
+        raise InvalidRequestError(f"{name!r}: a reserve item is a tensor to mimic or a (dtype, "
+                                  f"shape) pair, not {type(spec).__name__}")
+    wire_dtype = dtype_name(dtype)
+    try:
+        tensor_nbytes(wire_dtype, dims)  # sizes in range: the daemon checks the same
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{name!r}: {exc}") from None
+    return wire_dtype, dims
 
 
 def _storable(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -1106,6 +1172,7 @@ def _storable(t: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidRequestError(f"{name!r}: put takes torch tensors, not {type(t).__name__}")
     _check_dense(t, name)
+    t = _materialized(t)
     if t.requires_grad:
         t = t.detach()  # the copy is then not part of anyone's graph
     if t.is_conj() or t.is_neg():

@@ -49,7 +49,7 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     size = itemsize(dtype)
     if len(shape) > MAX_DIMS:
         raise InvalidRequestError(f"a shape has at most {MAX_DIMS} dimensions, not {len(shape)}")
-    count = 1
+    count = span = 1
     for dim in shape:
         if dim < 0:
             raise InvalidRequestError(f"shape {list(shape)} has a negative dimension")
@@ -61,6 +61,11 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
         count *= dim
         if count * size > MAX_TENSOR_BYTES:
             raise InvalidRequestError(f"shape {list(shape)} of {dtype} is larger than 2**50 bytes")
+        # Strides too, which a zero elsewhere does not shrink: torch could not build the view.
+        span *= max(dim, 1)
+        if span * size > MAX_TENSOR_BYTES:
+            raise InvalidRequestError(f"shape {list(shape)} of {dtype} has strides of more than "
+                                      f"2**50 bytes")
     return count * size
 
 
