@@ -18,7 +18,7 @@ from infinity.config import MiB, NvmeConfig
 from infinity.errors import IOEngineError, StoreDirectoryError
 from infinity.io import IOEngine
 from infinity.store.durable import INDEX_FILE_NAME, DurableIndex, DurableRecord
-from infinity.store.nvme import NvmeTier, TensorLayout
+from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier, TensorLayout
 
 
 @pytest.fixture
@@ -136,6 +136,85 @@ def test_an_index_written_for_other_directories_is_refused(engine: IOEngine, dis
     DurableIndex(make_tier(engine, a, b)).close()
     with pytest.raises(StoreDirectoryError, match="restore the original nvme.dirs"):
         DurableIndex(make_tier(engine, a))
+
+
+def _two_dirs(root: str) -> tuple[str, str]:
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    return a, b
+
+
+def _store_with_one_tensor(engine: IOEngine, *dirs: str) -> tuple[torch.Tensor, TensorLayout]:
+    """A store on `dirs` holding one published tensor striped over all of them; closed."""
+    tier = make_tier(engine, *dirs)
+    value, layout = write(tier, 7, 4 * MiB + 5)
+    index = DurableIndex(tier)
+    wait_done(index, index.publish([record("kept", layout)]))
+    index.close()
+    tier.close()
+    return value, layout
+
+
+def test_a_directory_in_use_by_another_store_is_refused_whatever_its_position(
+        engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    first = DurableIndex(make_tier(engine, a, b))
+    with pytest.raises(StoreDirectoryError, match="in use by another process"):
+        DurableIndex(make_tier(engine, b))  # a store of its own on the first one's second
+    first.close()
+
+
+@pytest.mark.parametrize("order", ["swapped", "second alone"])
+def test_the_directories_of_one_store_are_not_taken_for_a_fresh_store(
+        engine: IOEngine, disk_tmp: str, order: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    value, layout = _store_with_one_tensor(engine, a, b)
+    # The index lives in the first directory: another first one would start a new store,
+    # whose writes would land on the old store's extents.
+    with pytest.raises(StoreDirectoryError, match="belongs to another store"):
+        DurableIndex(make_tier(engine, *((b, a) if order == "swapped" else (b,))))
+    tier = make_tier(engine, a, b)
+    index = DurableIndex(tier)
+    (loaded,) = index.load()
+    out = torch.empty_like(value)
+    tier.read_tensor(loaded.layout, out)
+    assert torch.equal(out, value)
+    index.close()
+    tier.close()
+
+
+def test_a_directory_replaced_since_is_refused(engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    _store_with_one_tensor(engine, a, b)
+    c = os.path.join(disk_tmp, "c")
+    os.rename(b, c)  # the second drive swapped for an empty one at the same path
+    os.mkdir(b)
+    with pytest.raises(StoreDirectoryError, match="not position 1 of the store"):
+        DurableIndex(make_tier(engine, a, b))
+
+
+def test_a_missing_extent_file_is_refused_not_filled_with_zeros(
+        engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    _store_with_one_tensor(engine, a, b)
+    extents = os.path.join(b, EXTENT_FILE_NAME)
+    os.rename(extents, extents + ".away")  # as if b were not mounted yet
+    tier = make_tier(engine, a, b)
+    index = DurableIndex(tier)
+    with pytest.raises(StoreDirectoryError, match="is missing.*mounted"):
+        index.load()
+    index.close()
+    tier.close()
+    assert os.path.getsize(extents) == 0  # nothing was written where the file should be
+
+
+def test_small_tensors_spread_over_every_directory(engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    tier = make_tier(engine, a, b)
+    firsts = [tier.allocate(4096 + i).extents[0][0] for i in range(6)]  # one stripe each
+    assert sorted(firsts) == [0, 0, 0, 1, 1, 1]
+    tier.close()
 
 
 def test_an_index_of_another_schema_is_refused(engine: IOEngine, disk_tmp: str) -> None:

@@ -10,6 +10,7 @@ stops the daemon.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -81,8 +82,19 @@ def run(args: argparse.Namespace) -> int:
     store = base / "store"
     store.mkdir(parents=True, exist_ok=True)
     config = load_config(args.config, overrides=[f"nvme.dirs={store}", *args.overrides])
+    # The raw tier has no index: beside the daemon's store, never in it (it would write over
+    # a store's extents, and the daemon refuses a directory holding extents it has no index of).
+    raw_dirs = [Path(d) / "infinity-demo-raw" for d in config.nvme.dirs]
+    for raw in raw_dirs:
+        raw.mkdir(exist_ok=True)
+    raw_config = dataclasses.replace(
+        config, nvme=dataclasses.replace(config.nvme, dirs=tuple(str(d) for d in raw_dirs)))
     console.rule("[bold]Infinity demo")
-    report: dict[str, object] = {"io": io_part(config, args.io_bytes, console)}
+    try:
+        report: dict[str, object] = {"io": io_part(raw_config, args.io_bytes, console)}
+    finally:
+        for raw in raw_dirs:
+            shutil.rmtree(raw, ignore_errors=True)
     from infinity.cli import demo_daemon
 
     report["daemon"] = demo_daemon.daemon_part(config, base / "run", console)

@@ -12,9 +12,12 @@ jobs were submitted. Completions are signalled on an eventfd (`completion_fd`)
 and delivered by `poll()` on the caller's thread, the same pattern as the I/O
 engine, so the daemon's loop can wait on both without ever blocking on disk.
 
-The index holds an exclusive lock (`infinity-store.lock`, flock) on the store
-for its whole life: two daemons, or a daemon and `infinity verify`, never use
-one store at once.
+The index holds an exclusive lock (`infinity-store.lock`, flock) in every store
+directory for its whole life: two daemons, or a daemon and `infinity verify`,
+never use one directory at once, whichever directories each names. And each
+directory carries a marker (`infinity-store.id`: the store's id and the
+directory's position in nvme.dirs), so that a directory of one store is never
+taken as a fresh directory of another, nor in another position.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import fcntl
 import json
 import os
 import queue
+import secrets
 import sqlite3
 import threading
 from concurrent.futures import Future
@@ -35,6 +39,7 @@ from infinity.store.nvme import NvmeTier, TensorLayout
 
 INDEX_FILE_NAME = "infinity-index.sqlite"
 LOCK_FILE_NAME = "infinity-store.lock"
+MARKER_FILE_NAME = "infinity-store.id"
 _Job = tuple[Callable[[], Any], "Future[Any]", "Callable[[Future[Any]], None] | None"]
 SCHEMA_VERSION = 1
 _SQLITE_FULL = 13  # sqlite3's result code for "database or disk is full"
@@ -82,13 +87,16 @@ class DurableIndex:
         self.tier = tier
         self.path = index_path(tier.directories[0].path)
         self._closed = False
-        self._lock_fd = self._lock_store(tier.directories[0].path)
+        self._lock_fds: list[int] = []
         try:
+            for directory in tier.directories:
+                self._lock_fds.append(self._lock_store(directory.path))
             self._db = self._open(self.path)
             self._check_meta()
             self._sync_directories()
         except BaseException:
-            os.close(self._lock_fd)
+            for fd in self._lock_fds:
+                os.close(fd)
             raise
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: queue.SimpleQueue[tuple[Future[Any], Callable[[Future[Any]], None] | None]] = \
@@ -143,9 +151,13 @@ class DurableIndex:
         dirs = json.dumps([d.path for d in self.tier.directories])
         meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         if not meta:
+            for directory in self.tier.directories:
+                self._refuse_foreign(directory.path, directory.opened_bytes)
+            new_id = secrets.token_hex(16)
+            self._mark_directories(new_id)
             with _Transaction(self._db) as db:
-                db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?)",
-                           (dirs, str(SCHEMA_VERSION)))
+                db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?), ('store_id', ?)",
+                           (dirs, str(SCHEMA_VERSION), new_id))
             return
         if meta.get("schema") != str(SCHEMA_VERSION):
             raise StoreDirectoryError(
@@ -156,6 +168,60 @@ class DurableIndex:
                 f"the store index {self.path} was written for nvme.dirs = {meta.get('dirs')}, but "
                 f"the settings name {dirs}; restore the original nvme.dirs (same order) to keep "
                 f"the stored tensors")
+        store_id = meta.get("store_id")
+        if store_id is None:  # written before directories were marked: mark them now
+            new_id = secrets.token_hex(16)
+            self._mark_directories(new_id)
+            with _Transaction(self._db) as db:
+                db.execute("INSERT INTO meta VALUES ('store_id', ?)", (new_id,))
+            return
+        for position, directory in enumerate(self.tier.directories):
+            found = self._read_marker(directory.path)
+            if found != (store_id, position):
+                raise StoreDirectoryError(
+                    f"store directory {directory.path} is not position {position} of the store "
+                    f"indexed in {self.path} (its marker {MARKER_FILE_NAME} says "
+                    f"{'nothing' if found is None else found}): another store's directory, or "
+                    f"one emptied or replaced since; restore it, or give this store other "
+                    f"nvme.dirs")
+
+    @staticmethod
+    def _read_marker(directory: str) -> tuple[str, int] | None:
+        """(store id, position) from a directory's marker, or None if it has none."""
+        try:
+            with open(os.path.join(directory, MARKER_FILE_NAME), encoding="ascii") as f:
+                store_id, position = f.read().split()
+            return store_id, int(position)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise StoreDirectoryError(
+                f"cannot read {os.path.join(directory, MARKER_FILE_NAME)} ({exc}); restore it "
+                f"from the store's other directories or a backup") from None
+
+    def _refuse_foreign(self, directory: str, extent_file_bytes: int) -> None:
+        """For a fresh store: refuse a directory that holds another store's data."""
+        marker = self._read_marker(directory)
+        if marker is not None or extent_file_bytes:
+            raise StoreDirectoryError(
+                f"store directory {directory} already holds "
+                f"{'a store (' + MARKER_FILE_NAME + ')' if marker is not None else 'an extent file'}"
+                f" that the new store index {self.path} knows nothing of: it belongs to another "
+                f"store, perhaps with other nvme.dirs or another order; use those settings, or "
+                f"give this store empty directories")
+
+    def _mark_directories(self, store_id: str) -> None:
+        for position, directory in enumerate(self.tier.directories):
+            path = os.path.join(directory.path, MARKER_FILE_NAME)
+            try:
+                with open(path + ".tmp", "w", encoding="ascii") as f:
+                    f.write(f"{store_id} {position}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(path + ".tmp", path)
+            except OSError as exc:
+                raise StoreDirectoryError(f"cannot write {path}: {exc.strerror}; check the "
+                                          f"directory's permissions") from None
 
     def _sync_directories(self) -> None:
         """Make the extent files' and the index's directory entries durable (once, at open)."""
@@ -301,7 +367,8 @@ class DurableIndex:
         self.poll()
         self._db.close()
         os.close(self.completion_fd)
-        os.close(self._lock_fd)  # drops the store lock
+        for fd in self._lock_fds:
+            os.close(fd)  # drops the store's locks
 
 
 class _Transaction:

@@ -9,8 +9,10 @@ whoever keeps the catalog persists, and takes it back to read or free.
 Layout rules (fixed, because checksums and restarts depend on them):
 - capacity is nbytes rounded up to 4 KiB; the padding is written as zeros;
 - the capacity is cut into stripes of `nvme.stripe_bytes` (a multiple of 1 MiB)
-  dealt round robin over the directories; each directory keeps all of that
-  tensor's stripes in one contiguous extent;
+  dealt round robin over the directories, starting at the one with the most room
+  left (so tensors smaller than a stripe spread over all of them); each directory
+  keeps all of that tensor's stripes in one contiguous extent, and the layout
+  lists the extents in dealing order;
 - one CRC32C per 1 MiB block of the capacity, in tensor order.
 
 The core moves bytes by address (`write_from`, `write_part`, `read_into`) and
@@ -181,6 +183,7 @@ class NvmeDirectory:
             raise StoreDirectoryError(
                 f"{self.file_path} has a size that is not a multiple of 4096; it was not written "
                 f"by Infinity: move it away")
+        self.opened_bytes = size  # the file's size when opened: 0 if this just created it
         self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
         self._grow_lock = threading.Lock()  # one fallocate at a time per file
         # Counters, kept as I/O is submitted (the monitor reads them per directory).
@@ -210,6 +213,11 @@ class NvmeDirectory:
     @property
     def can_grow(self) -> bool:
         return self.allocator.capacity_bytes < self.capacity_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """What more it may hold: free space in its file, and what the file may still grow."""
+        return self.capacity_bytes - self.allocator.used_bytes
 
     def grow_for(self, nbytes: int, *, lock: threading.Lock | None = None) -> bool:
         """Extend the extent file so that `nbytes` more could fit; False at the capacity limit.
@@ -354,7 +362,12 @@ class NvmeTier:
         if nbytes <= 0:
             raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
         capacity = round_up(nbytes, PAGE_BYTES)
-        per_dir = stripe_totals(capacity, self.stripe_bytes, len(self.directories))
+        num_dirs = len(self.directories)
+        with self._lock:
+            first = max(range(num_dirs), key=lambda d: self.directories[d].room_bytes)
+        # Slot k of the deal (layout.extents[k]) goes to the k-th directory from `first`.
+        per_dir = {(first + slot) % num_dirs: length for slot, length
+                   in stripe_totals(capacity, self.stripe_bytes, num_dirs).items()}
         for d, length in per_dir.items():
             directory = self.directories[d]
             if length > directory.capacity_bytes:
@@ -412,6 +425,25 @@ class NvmeTier:
             for d, extent in layout.extents:
                 self.directories[d].allocator.free(extent)
 
+    def check_present(self, layout: TensorLayout) -> None:
+        """StoreDirectoryError unless every extent of a persisted layout lies within its
+        directory's extent file as it was opened. A file that is missing (a directory not
+        mounted yet, say) or shorter than the index says is never filled in with zeros: the
+        tensors in it would be lost for good, and later writes with them."""
+        for d, extent in layout.extents:
+            if d >= len(self.directories):
+                raise StoreDirectoryError(
+                    f"the store index places bytes in store directory {d}, but nvme.dirs names "
+                    f"{len(self.directories)}; restore the original nvme.dirs")
+            directory = self.directories[d]
+            if extent.end_bytes > directory.opened_bytes:
+                state = ("is missing" if not directory.opened_bytes else
+                         f"holds {directory.opened_bytes} bytes")
+                raise StoreDirectoryError(
+                    f"{directory.file_path} {state}, but the store index has tensors up to byte "
+                    f"{extent.end_bytes} of it: is {directory.path} the right directory, and "
+                    f"mounted? Restore the file and start again")
+
     def adopt(self, layout: TensorLayout) -> None:
         """Mark a persisted layout's extents as used (rebuilding the space map at restart)."""
         with self._lock:
@@ -422,12 +454,9 @@ class NvmeTier:
                         f"{directory.file_path} holds tensors up to byte {extent.end_bytes}, past "
                         f"nvme.capacity_bytes_per_dir ({directory.capacity_bytes}); raise that "
                         f"setting to at least {extent.end_bytes} to open this store")
-                while directory.allocator.capacity_bytes < extent.end_bytes:
-                    if not directory.grow_for(extent.end_bytes - directory.allocator.capacity_bytes):
-                        raise StoreDirectoryError(
-                            f"{directory.file_path} is shorter than the catalog says; restore it or "
-                            f"run `infinity verify`")
-                directory.allocator.reserve(extent)
+            self.check_present(layout)
+            for d, extent in layout.extents:
+                self.directories[d].allocator.reserve(extent)
 
     # --- I/O --------------------------------------------------------------
 
