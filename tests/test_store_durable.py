@@ -91,6 +91,27 @@ def test_on_done_runs_in_poll_on_the_callers_thread_after_the_commit(
     index.close()
 
 
+def test_a_callback_that_raises_does_not_hold_back_the_others(
+        engine: IOEngine, disk_tmp: str) -> None:
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, first = write(tier, 3)
+    _, second = write(tier, 4)
+    ran: list[str] = []
+
+    def broken(future: Future[None]) -> None:
+        raise RuntimeError("a bug in the first callback")
+
+    index.publish([record("a", first)], on_done=broken)
+    index.publish([record("b", second)], on_done=lambda future: ran.append("b"))
+    index.remove([]).result(timeout=10)  # jobs run in order: both are finished before it
+    with pytest.raises(RuntimeError, match="first callback"):
+        index.poll()
+    assert ran == ["b"]  # not stranded until some later job's signal
+    index.close()
+    tier.close()
+
+
 def test_removed_names_are_gone_after_reopening(engine: IOEngine, disk_tmp: str) -> None:
     tier = make_tier(engine, disk_tmp)
     index = DurableIndex(tier)

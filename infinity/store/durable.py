@@ -342,20 +342,28 @@ class DurableIndex:
             os.eventfd_write(self.completion_fd, 1)
 
     def poll(self) -> int:
-        """Run the callbacks of finished jobs on this thread; never blocks. Returns how many."""
+        """Run the callbacks of finished jobs on this thread; never blocks. Returns how many.
+        A callback that raises does not hold back the others: the first error is raised after."""
         try:
             os.eventfd_read(self.completion_fd)
         except BlockingIOError:
             pass
         count = 0
+        failure: Exception | None = None
         while True:
             try:
                 future, callback = self._done.get_nowait()
             except queue.Empty:
-                return count
+                break
             count += 1
             if callback is not None:
-                callback(future)
+                try:
+                    callback(future)
+                except Exception as exc:  # the rest still run: their signal was read above
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
+        return count
 
     def close(self) -> None:
         """Finish the jobs already submitted (their callbacks run here), then close. Idempotent."""
