@@ -4,12 +4,19 @@ trip (no reserve)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from infinity.errors import InfinityError, LeaseError
+from infinity.errors import ForkedClientError, InfinityError, LeaseError
 from infinity.protocol import wire
 from conftest import RunningDaemon, wait_until
 
@@ -270,3 +277,74 @@ def test_a_spare_young_enough_to_take_is_kept(daemon_factory: Callable[..., Runn
         assert ops(client).get("reserve", 0) == before.get("reserve", 0)
     finally:
         client.close()
+
+
+@contextlib.contextmanager
+def giving_back_to_a_stopped_daemon(daemon: RunningDaemon, client: Any) -> Iterator[None]:
+    """The heartbeat thread has taken a spare too old to keep and waits for the daemon, which
+    is stopped (SIGSTOP), to answer its abort."""
+    put_twice(client, "last", torch.ones(4097))
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: client._returning, timeout_s=10,
+                   what="the heartbeat thread to give the old spare back")
+        yield
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+
+
+SLOW_DAEMON = {"daemon.client_timeout_s": 1.0, "daemon.heartbeat_interval_s": 0.25,
+               "daemon.request_timeout_s": 30.0}
+
+
+def test_close_does_not_wait_for_a_spare_given_back_to_a_stopped_daemon(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    daemon = daemon_factory(**SLOW_DAEMON)
+    client = daemon.connect("t")
+    with giving_back_to_a_stopped_daemon(daemon, client):
+        started = time.monotonic()
+        client.close()
+        # The heartbeat's request ends within a tick, not at the 30 s request timeout.
+        assert time.monotonic() - started < 10
+
+
+def test_a_forked_child_is_refused_at_once_while_spares_are_given_back(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    daemon = daemon_factory(**SLOW_DAEMON)
+    client = daemon.connect("t")
+    with giving_back_to_a_stopped_daemon(daemon, client):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what delete did, then leave at once
+            try:
+                client.delete("last")
+                outcome = b"returned"
+            except ForkedClientError:
+                outcome = b"forked"
+            except BaseException:  # noqa: BLE001 - reported as such
+                outcome = b"other"
+            os.write(write_end, outcome)
+            os._exit(0)
+        os.close(write_end)
+        ready = select.select([read_end], [], [], 10)[0]
+        outcome = os.read(read_end, 16) if ready else b"hung"
+        os.close(read_end)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    client.close()
+    assert outcome == b"forked"
+
+
+def test_a_put_of_a_name_whose_spare_is_being_given_back_waits_for_it_then_stores(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    daemon = daemon_factory(**SLOW_DAEMON)
+    client = daemon.connect("t")
+    with giving_back_to_a_stopped_daemon(daemon, client):
+        putter = threading.Thread(target=client.put, args=("last", torch.full((4097,), 5.0)))
+        putter.start()
+    putter.join(30)  # the daemon runs again: the abort is answered, then the put reserves
+    assert not putter.is_alive()
+    with client.get("last") as view:
+        assert torch.equal(view, torch.full((4097,), 5.0))
+    client.close()

@@ -230,6 +230,19 @@ def test_a_tensor_larger_than_a_segment_evicts_nothing_when_every_segment_is_pin
     client.close()
 
 
+def test_a_tensor_larger_than_a_segment_on_a_full_store_says_the_store_is_full(
+        store: Store) -> None:
+    client = store.start(**{"cpu.spare_fraction": 0.0,
+                            "nvme.capacity_bytes_per_dir": 5 * MiB}).connect("t")
+    client.write_from("big", pattern(99, 5 * MiB))  # on NVMe only: the whole store
+    for i in range(16):  # the whole tier, dirty: no room on NVMe to write any of it back
+        client.put(f"t{i}", pattern(i, MiB))
+    for _ in range(2):  # the second time too, once the failed write-back is remembered
+        with pytest.raises(StoreFullError, match="cannot be written back"):
+            client.get("big")
+    client.close()
+
+
 def test_gets_of_one_non_resident_tensor_share_one_read(store: Store) -> None:
     daemon = store.start()
     value = pattern(1, 3 * MiB + 5)

@@ -246,6 +246,9 @@ class Client:
         # name: puts of one name from several threads take turns (names share these stripes).
         self._put_stripes = [threading.Lock() for _ in range(_PUT_STRIPES)]
         self._spares: dict[tuple[str, str], _Spare] = {}
+        # Spares the heartbeat thread is giving back, and the event set once the daemon has them.
+        self._returning: set[tuple[str, str]] = set()
+        self._returned = threading.Event()
         self._spare_max_age_s = config.daemon.client_timeout_s / 2  # until the welcome says
         self.steps_begun = 0  # step_begin calls so far (a DeviceCache asks anew at each)
         self._segments: SegmentMap | None = None
@@ -598,7 +601,7 @@ class Client:
         spare does not fit or is too old to trust (forgotten: the caller aborts them)."""
         taken: dict[str, _Spare] = {}
         stale: list[str] = []
-        with self._spares_lock:
+        with self._spares_lock_for([(item.namespace, item.name) for item in wanted]):
             if not self._spares:
                 return taken, stale
             oldest = time.monotonic() - self._spare_max_age_s
@@ -621,11 +624,29 @@ class Client:
 
     def _forget_spares(self, namespace: str, names: Iterable[str]) -> list[str]:
         """Drop the records of these names' spares; returns the names that had one."""
-        with self._spares_lock:
+        listed = list(names)
+        with self._spares_lock_for([(namespace, name) for name in listed]):
             if not self._spares:
                 return []
-            return [name for name in names
+            return [name for name in listed
                     if self._spares.pop((namespace, name), None) is not None]
+
+    @contextlib.contextmanager
+    def _spares_lock_for(self, keys: list[tuple[str, str]]) -> Iterator[None]:
+        """`_spares_lock`, taken once none of these (namespace, name)s has a spare on its way
+        back to the daemon (`_give_back_old_spares`): until the daemon has it, a reserve of
+        the name would meet the spare's reservation, and a commit would publish it."""
+        while True:
+            self._spares_lock.acquire()
+            if not (self._returning and any(key in self._returning for key in keys)):
+                break
+            returned = self._returned
+            self._spares_lock.release()
+            returned.wait(self._timeout_s)
+        try:
+            yield
+        finally:
+            self._spares_lock.release()
 
     def _drop_all_spares(self) -> None:
         # Under the lock until the daemon has them back: a put on another thread that finds no
@@ -641,16 +662,27 @@ class Client:
         Runs on the heartbeat thread, over its channel."""
         if not self._spares:  # the common case, without the lock
             return
-        with self._spares_lock:  # until the daemon has them back: see `_drop_all_spares`
+        with self._spares_lock:
             oldest = time.monotonic() - self._spare_max_age_s
             old = [key for key, spare in self._spares.items() if spare.granted_s < oldest]
+            if not old:
+                return
             for key in old:
                 del self._spares[key]
+            # Not under the lock while the daemon answers (a stalled daemon would hold up
+            # close() and every put): threads that want these names wait (`_spares_lock_for`).
+            self._returning = set(old)
+            returned = self._returned = threading.Event()
 
-            def call(message: wire.Request) -> tuple[Any, ...]:
-                return self._results(channel.call(next(self._request_ids), message))
+        def call(message: wire.Request) -> tuple[Any, ...]:
+            return self._results(channel.call(next(self._request_ids), message))
 
+        try:
             self._abort_keys(old, call)
+        finally:
+            with self._spares_lock:
+                self._returning = set()
+            returned.set()
 
     def _abort_keys(self, keys: list[tuple[str, str]],
                     call: Callable[[wire.Request], tuple[Any, ...]]) -> None:
@@ -706,6 +738,7 @@ class Client:
         durable=True: return only once they are on NVMe and in the store's index (see the
         module docstring); if that fails, they are published all the same and the error is
         raised (the name's last durable version stays what it was on disk)."""
+        self._check_usable()  # before any lock: a forked child's copy may be held by no thread
         listed = _names(names)
         # A spare this client's puts left and nobody took holds no bytes of the caller's: it must
         # not be published. Dropped, the commit then says the name was not reserved.
@@ -720,6 +753,7 @@ class Client:
 
     def abort(self, names: Names, *, namespace: str = "default") -> None:
         """Discard this client's reservations (their memory is freed)."""
+        self._check_usable()  # before any lock: see `commit`
         listed = _names(names)
         self._forget_spares(namespace, listed)  # the daemon frees them with the rest
         self._raise_first(self._call(wire.Abort(tuple(wire.TensorRef(namespace, n) for n in listed))))
@@ -815,6 +849,7 @@ class Client:
         durable (see `commit`). Returns the version number.
         """
         flat = _byte_view(src, "src", written=False)
+        self._check_usable()  # before any lock: see `commit`
         if self._forget_spares(namespace, [name]):
             self._abort_quietly([name], namespace)  # the stream reserves the name itself
         info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
@@ -937,6 +972,7 @@ class Client:
 
     def delete(self, names: Names, *, namespace: str = "default") -> None:
         """Remove names; current readers keep their versions until they release."""
+        self._check_usable()  # before any lock: see `commit`
         listed = _names(names)
         spared = self._forget_spares(namespace, listed)
         if spared:
@@ -1049,6 +1085,12 @@ class Client:
                 channel.send(next(self._request_ids), wire.Bye(), expect_reply=False)
             except InfinityError:
                 pass
+        with self._channels_lock:
+            others = [other for other in self._channels if other is not channel]
+        for other in others:
+            # The heartbeat thread may be waiting for an answer (giving spares back): its
+            # request ends within a tick, not at daemon.request_timeout_s.
+            other.shut()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self._timeout_s)
         with self._channels_lock:

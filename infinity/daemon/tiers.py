@@ -377,6 +377,11 @@ class TierManager:
                 continue
             if outcome == _PENDING:
                 raise SpaceShortage(nbytes, dedicated=False)
+            error = self.write_error
+            if error is not None and any(v.dirty for v in self.resident.values()):
+                raise type(error)(
+                    f"the CPU tier is full and its dirty tensors cannot be written back to make "
+                    f"room for {what}: {error}")
             if outcome == _NO_SEGMENT:
                 raise TierFullError(
                     f"{what} needs {nbytes} bytes, more than a CPU-tier segment "
@@ -384,11 +389,6 @@ class TierManager:
                     f"segment of its own, and every segment that would make the budget for one "
                     f"holds a leased or busy slice; release leases, or raise cpu.budget_bytes "
                     f"or cpu.segment_bytes")
-            error = self.write_error
-            if error is not None and any(v.dirty for v in self.resident.values()):
-                raise type(error)(
-                    f"the CPU tier is full and its dirty tensors cannot be written back to make "
-                    f"room for {what}: {error}")
             raise self._tier_full(nbytes, what)
 
     def _start_growth(self, shortage: SpaceShortage) -> bool:
@@ -549,8 +549,8 @@ class TierManager:
                 continue
             if key in self.candidates:
                 members.setdefault(piece.segment, []).append(version)
-            elif not version.evict_when_clean:
-                continue
+            elif not version.evict_when_clean or version.shared or version.exclusive:
+                continue  # one leased since it was chosen stays when its write-back ends
             going[piece.segment] = going.get(piece.segment, 0) + piece.length
         chosen: list[int] = []
         made = 0
