@@ -125,6 +125,33 @@ def run_in_threads(work: Callable[[int], None], count: int) -> None:
         raise errors[0]
 
 
+def outcome_in_forked_child(action: Callable[[], Any]) -> bytes:
+    """Fork; the child runs `action` and reports b"returned", b"forked" (ForkedClientError) or
+    b"other"; b"hung" if it said nothing within 10 s (it is then killed)."""
+    from infinity.errors import ForkedClientError
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once
+        try:
+            action()
+            outcome = b"returned"
+        except ForkedClientError:
+            outcome = b"forked"
+        except BaseException:  # noqa: BLE001 - reported as such
+            outcome = b"other"
+        os.write(write_end, outcome)
+        os._exit(0)
+    os.close(write_end)
+    ready = select.select([read_end], [], [], 10)[0]
+    outcome = os.read(read_end, 16) if ready else b"hung"
+    os.close(read_end)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return outcome
+
+
 @dataclass
 class RunningDaemon:
     """An `infinityd run` child process with its settings, runtime folder and log."""

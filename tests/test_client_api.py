@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import threading
 from typing import Any, Callable
@@ -11,8 +9,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import RunningDaemon, run_in_threads, wait_until
-from infinity.errors import (DaemonUnavailableError, ForkedClientError, InvalidRequestError,
+from conftest import RunningDaemon, outcome_in_forked_child, run_in_threads, wait_until
+from infinity.errors import (DaemonUnavailableError, InvalidRequestError,
                              LeaseError, NotFoundError)
 from infinity.protocol import wire
 
@@ -513,25 +511,7 @@ def test_a_forked_child_putting_is_told_to_connect_again_even_while_a_parent_thr
         putter = threading.Thread(target=client.put, args=("x", slow))
         putter.start()
         started.wait(10)
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report what put did, then leave at once
-            try:
-                client.put("x", slow)
-                outcome = b"returned"
-            except ForkedClientError:
-                outcome = b"forked"
-            except BaseException:  # noqa: BLE001
-                outcome = b"other"
-            os.write(write_end, outcome)
-            os._exit(0)
-        os.close(write_end)
-        ready = select.select([read_end], [], [], 10)[0]
-        outcome = os.read(read_end, 16) if ready else b"hung"
-        os.close(read_end)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        outcome = outcome_in_forked_child(lambda: client.put("x", slow))
     finally:
         finish.set()
         putter.join(10)

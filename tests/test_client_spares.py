@@ -5,8 +5,6 @@ trip (no reserve)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 import signal
 import threading
 import time
@@ -16,9 +14,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from infinity.errors import ForkedClientError, InfinityError, LeaseError
+from infinity.errors import InfinityError, LeaseError
 from infinity.protocol import wire
-from conftest import RunningDaemon, wait_until
+from conftest import RunningDaemon, outcome_in_forked_child, wait_until
 
 MiB = 1024 * 1024
 
@@ -313,25 +311,7 @@ def test_a_forked_child_is_refused_at_once_while_spares_are_given_back(
     daemon = daemon_factory(**SLOW_DAEMON)
     client = daemon.connect("t")
     with giving_back_to_a_stopped_daemon(daemon, client):
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report what delete did, then leave at once
-            try:
-                client.delete("last")
-                outcome = b"returned"
-            except ForkedClientError:
-                outcome = b"forked"
-            except BaseException:  # noqa: BLE001 - reported as such
-                outcome = b"other"
-            os.write(write_end, outcome)
-            os._exit(0)
-        os.close(write_end)
-        ready = select.select([read_end], [], [], 10)[0]
-        outcome = os.read(read_end, 16) if ready else b"hung"
-        os.close(read_end)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        outcome = outcome_in_forked_child(lambda: client.delete("last"))
     client.close()
     assert outcome == b"forked"
 
