@@ -9,6 +9,10 @@ from infinity.protocol.paths import RuntimeLayout
 
 
 def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
+    # What an interrupted earlier run may have left in the demo's own store folder.
+    os.makedirs(os.path.join(disk_tmp, "store"))
+    with open(os.path.join(disk_tmp, "store", "infinity-extents.dat"), "wb") as f:
+        f.write(bytes(4096))
     result = subprocess.run(
         [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp, "--io-bytes", str(128 << 20)],
         capture_output=True, text=True, timeout=240,

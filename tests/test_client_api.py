@@ -423,6 +423,21 @@ def test_a_reserve_item_that_is_no_tensor_spec_is_refused_before_it_is_sent(
     assert client.stats()["catalog"]["num_reservations"] == 0
 
 
+def test_reserve_mimics_a_tensor_without_memory_by_its_dtype_and_shape(client: Any) -> None:
+    template = torch.empty(3, 1021, dtype=torch.bfloat16, device="meta")
+    view = client.reserve({"m": template})["m"]
+    assert (view.dtype, view.shape, view.device.type) == (torch.bfloat16, (3, 1021), "cpu")
+    client.abort("m")
+
+
+def test_a_zero_element_shape_torch_can_represent_is_reserved(client: Any) -> None:
+    view = client.reserve({"z": (torch.float32, (0, 2**40, 2048))})["z"]
+    assert view.shape == (0, 2**40, 2048) and view.numel() == 0
+    client.commit("z")
+    with client.get("z") as stored:
+        assert stored.shape == (0, 2**40, 2048)
+
+
 def test_a_string_of_names_is_one_name(client: Any) -> None:
     client.put("ab", torch.ones(3))
     with client.get_many("ab") as (view,):

@@ -17,7 +17,7 @@ import torch
 from infinity.config import MiB, NvmeConfig
 from infinity.errors import IOEngineError, StoreDirectoryError
 from infinity.io import IOEngine
-from infinity.store.durable import INDEX_FILE_NAME, DurableIndex, DurableRecord
+from infinity.store.durable import INDEX_FILE_NAME, MARKER_FILE_NAME, DurableIndex, DurableRecord
 from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier, TensorLayout
 
 
@@ -228,6 +228,65 @@ def test_a_missing_extent_file_is_refused_not_filled_with_zeros(
     index.close()
     tier.close()
     assert os.path.getsize(extents) == 0  # nothing was written where the file should be
+
+
+def test_a_fresh_store_stopped_while_marking_its_directories_opens_next_time(
+        engine: IOEngine, disk_tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _two_dirs(disk_tmp)
+
+    def stopped(self: DurableIndex, store_id: str) -> None:  # a kill at that moment, faked:
+        real_mark(self, store_id)  # one cannot kill -9 a process between two lines of it
+        raise KeyboardInterrupt
+
+    real_mark = DurableIndex._mark_directories
+    monkeypatch.setattr(DurableIndex, "_mark_directories", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        DurableIndex(make_tier(engine, a, b))
+    monkeypatch.undo()
+    value, _ = _store_with_one_tensor(engine, a, b)
+    tier = make_tier(engine, a, b)
+    index = DurableIndex(tier)
+    (loaded,) = index.load()
+    out = torch.empty_like(value)
+    tier.read_tensor(loaded.layout, out)
+    assert torch.equal(out, value)
+    index.close()
+    tier.close()
+
+
+def _as_before_markers(*dirs: str) -> None:
+    """Make a store look as the code before directory markers wrote it."""
+    db = sqlite3.connect(os.path.join(dirs[0], INDEX_FILE_NAME), isolation_level=None)
+    db.execute("DELETE FROM meta WHERE key IN ('store_id', 'marking')")
+    db.close()
+    for directory in dirs:
+        os.unlink(os.path.join(directory, MARKER_FILE_NAME))
+
+
+def test_a_store_from_before_markers_is_marked_only_once_its_files_are_all_found(
+        engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    value, _ = _store_with_one_tensor(engine, a, b)
+    _as_before_markers(a, b)
+    extents = os.path.join(b, EXTENT_FILE_NAME)
+    os.rename(extents, extents + ".away")  # b not mounted yet
+    tier = make_tier(engine, a, b)
+    index = DurableIndex(tier)
+    with pytest.raises(StoreDirectoryError, match="is missing"):
+        index.load()
+    index.close()
+    tier.close()
+    assert not os.path.exists(os.path.join(b, MARKER_FILE_NAME))  # the bare mount point stays bare
+    os.replace(extents + ".away", extents)  # mounted
+    tier = make_tier(engine, a, b)
+    index = DurableIndex(tier)
+    (loaded,) = index.load()
+    out = torch.empty_like(value)
+    tier.read_tensor(loaded.layout, out)
+    assert torch.equal(out, value)
+    index.close()
+    tier.close()
+    assert os.path.exists(os.path.join(b, MARKER_FILE_NAME))
 
 
 def test_small_tensors_spread_over_every_directory(engine: IOEngine, disk_tmp: str) -> None:

@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     base = Path(args.dir).resolve()
     store = base / "store"
-    store.mkdir(parents=True, exist_ok=True)
+    # The demo's own folder, removed at its end: what an interrupted run left goes first.
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
     config = load_config(args.config, overrides=[f"nvme.dirs={store}", *args.overrides])
     # The raw tier has no index: beside the daemon's store, never in it (it would write over
     # a store's extents, and the daemon refuses a directory holding extents it has no index of).

@@ -1155,8 +1155,8 @@ def _check_dense(t: torch.Tensor, what: str) -> None:
     if t.device.type == "meta":
         raise InvalidRequestError(f"`{what}` is on the meta device and has no bytes; materialize "
                                   f"it first (torch.empty_like(..., device='cpu'), say)")
-    if t.numel() and not _is_zero_tensor(t):
-        try:
+    if t.device.type == "cpu" and t.numel() and not _is_zero_tensor(t):
+        try:  # on other devices (XLA, lazy) copy_ does the work: no address needed
             address = t.data_ptr()
         except RuntimeError:  # a tensor inside torch.func transforms (vmap, grad)
             address = 0
@@ -1179,10 +1179,12 @@ def _materialized(t: torch.Tensor) -> torch.Tensor:
 def _reserve_spec(name: str, spec: Any) -> tuple[str, tuple[int, ...]]:
     """(wire dtype name, shape) of one `reserve` item: a tensor to mimic or a (dtype, shape)
     pair, checked here (InvalidRequestError) rather than refused by the daemon or msgpack."""
-    if isinstance(spec, torch.Tensor):
-        _check_dense(spec, name)
-        dtype, dims = spec.dtype, tuple(spec.shape)
-    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+    if isinstance(spec, torch.Tensor):  # only its dtype and shape: meta, fake or sparse will do
+        if spec.is_nested:
+            raise InvalidRequestError(f"{name!r}: a nested tensor has no single shape to "
+                                      f"reserve; reserve its parts")
+        return dtype_name(spec.dtype), tuple(spec.shape)  # the daemon checks the sizes
+    if isinstance(spec, (tuple, list)) and len(spec) == 2:
         dtype, dims = spec
         if not isinstance(dtype, torch.dtype):
             raise InvalidRequestError(f"{name!r}: a reserve item's dtype must be a torch.dtype, "

@@ -61,11 +61,12 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
         count *= dim
         if count * size > MAX_TENSOR_BYTES:
             raise InvalidRequestError(f"shape {list(shape)} of {dtype} is larger than 2**50 bytes")
-        # Strides too, which a zero elsewhere does not shrink: torch could not build the view.
+        # Strides too, which a zero elsewhere does not shrink: past 2**63 elements torch could
+        # not build the view (short of that, a zero-element tensor of any such shape is fine).
         span *= max(dim, 1)
-        if span * size > MAX_TENSOR_BYTES:
-            raise InvalidRequestError(f"shape {list(shape)} of {dtype} has strides of more than "
-                                      f"2**50 bytes")
+        if span >= 1 << 63:
+            raise InvalidRequestError(f"shape {list(shape)} has strides of 2**63 elements or "
+                                      f"more, which torch cannot represent")
     return count * size
 
 

@@ -87,6 +87,7 @@ class DurableIndex:
         self.tier = tier
         self.path = index_path(tier.directories[0].path)
         self._closed = False
+        self._unmarked_id: str | None = None  # the store id its directories still await
         self._lock_fds: list[int] = []
         try:
             for directory in tier.directories:
@@ -147,18 +148,23 @@ class DurableIndex:
         return db
 
     def _check_meta(self) -> None:
-        """Refuse an index of another schema, or one written for other directories."""
+        """Refuse an index of another schema, or one written for other directories, or a
+        directory that is not this store's.
+
+        The directories are marked with the index's `store_id` under a 'marking' row, removed
+        once every marker is durable: an open that finds the row (start-up killed, a store from
+        before markers) marks them again, and refuses only other stores' markers meanwhile.
+        With tensors indexed, that waits for `load` to have found every extent file in place:
+        a directory not mounted yet must not get the marker its real contents lack."""
         dirs = json.dumps([d.path for d in self.tier.directories])
         meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         if not meta:
             for directory in self.tier.directories:
                 self._refuse_foreign(directory.path, directory.opened_bytes)
-            new_id = secrets.token_hex(16)
-            self._mark_directories(new_id)
             with _Transaction(self._db) as db:
-                db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?), ('store_id', ?)",
-                           (dirs, str(SCHEMA_VERSION), new_id))
-            return
+                db.execute("INSERT INTO meta VALUES ('dirs', ?), ('schema', ?), ('store_id', ?), "
+                           "('marking', '1')", (dirs, str(SCHEMA_VERSION), secrets.token_hex(16)))
+            meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         if meta.get("schema") != str(SCHEMA_VERSION):
             raise StoreDirectoryError(
                 f"the store index {self.path} has schema {meta.get('schema')!r}, but this Infinity "
@@ -169,11 +175,19 @@ class DurableIndex:
                 f"the settings name {dirs}; restore the original nvme.dirs (same order) to keep "
                 f"the stored tensors")
         store_id = meta.get("store_id")
-        if store_id is None:  # written before directories were marked: mark them now
-            new_id = secrets.token_hex(16)
-            self._mark_directories(new_id)
+        if store_id is None:  # written before directories were marked
+            store_id = secrets.token_hex(16)
             with _Transaction(self._db) as db:
-                db.execute("INSERT INTO meta VALUES ('store_id', ?)", (new_id,))
+                db.execute("INSERT INTO meta VALUES ('store_id', ?), ('marking', '1')", (store_id,))
+            meta["marking"] = "1"
+        if "marking" in meta:
+            for directory in self.tier.directories:
+                found = self._read_marker(directory.path)
+                if found is not None and found[0] != store_id:
+                    self._refuse_foreign(directory.path, 0)
+            self._unmarked_id = store_id
+            if self._db.execute("SELECT 1 FROM tensors LIMIT 1").fetchone() is None:
+                self._finish_marking()
             return
         for position, directory in enumerate(self.tier.directories):
             found = self._read_marker(directory.path)
@@ -209,6 +223,16 @@ class DurableIndex:
                 f" that the new store index {self.path} knows nothing of: it belongs to another "
                 f"store, perhaps with other nvme.dirs or another order; use those settings, or "
                 f"give this store empty directories")
+
+    def _finish_marking(self) -> None:
+        """Write every directory's marker, make them durable, then drop the 'marking' row."""
+        store_id, self._unmarked_id = self._unmarked_id, None
+        if store_id is None:
+            return
+        self._mark_directories(store_id)
+        self._sync_directories()
+        with _Transaction(self._db) as db:
+            db.execute("DELETE FROM meta WHERE key = 'marking'")
 
     def _mark_directories(self, store_id: str) -> None:
         for position, directory in enumerate(self.tier.directories):
@@ -250,6 +274,7 @@ class DurableIndex:
                     f"{namespace!r} ({exc}); run `infinity verify` and restore the store from a "
                     f"backup") from None
             records.append(record)
+        self._finish_marking()  # every extent file found where the index says
         return records
 
     def load_traces(self) -> list[tuple[str, str, Any]]:
