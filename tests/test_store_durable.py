@@ -177,6 +177,18 @@ def _store_with_one_tensor(engine: IOEngine, *dirs: str) -> tuple[torch.Tensor, 
     return value, layout
 
 
+def assert_store_holds(engine: IOEngine, dirs: tuple[str, ...], value: torch.Tensor) -> None:
+    """The store on `dirs` opens and holds exactly one tensor, `value`."""
+    tier = make_tier(engine, *dirs)
+    index = DurableIndex(tier)
+    (loaded,) = index.load()
+    out = torch.empty_like(value)
+    tier.read_tensor(loaded.layout, out)
+    assert torch.equal(out, value)
+    index.close()
+    tier.close()
+
+
 def test_a_directory_in_use_by_another_store_is_refused_whatever_its_position(
         engine: IOEngine, disk_tmp: str) -> None:
     a, b = _two_dirs(disk_tmp)
@@ -195,14 +207,7 @@ def test_the_directories_of_one_store_are_not_taken_for_a_fresh_store(
     # whose writes would land on the old store's extents.
     with pytest.raises(StoreDirectoryError, match="belongs to another store"):
         DurableIndex(make_tier(engine, *((b, a) if order == "swapped" else (b,))))
-    tier = make_tier(engine, a, b)
-    index = DurableIndex(tier)
-    (loaded,) = index.load()
-    out = torch.empty_like(value)
-    tier.read_tensor(loaded.layout, out)
-    assert torch.equal(out, value)
-    index.close()
-    tier.close()
+    assert_store_holds(engine, (a, b), value)
 
 
 def test_a_directory_replaced_since_is_refused(engine: IOEngine, disk_tmp: str) -> None:
@@ -244,14 +249,7 @@ def test_a_fresh_store_stopped_while_marking_its_directories_opens_next_time(
         DurableIndex(make_tier(engine, a, b))
     monkeypatch.undo()
     value, _ = _store_with_one_tensor(engine, a, b)
-    tier = make_tier(engine, a, b)
-    index = DurableIndex(tier)
-    (loaded,) = index.load()
-    out = torch.empty_like(value)
-    tier.read_tensor(loaded.layout, out)
-    assert torch.equal(out, value)
-    index.close()
-    tier.close()
+    assert_store_holds(engine, (a, b), value)
 
 
 def _as_before_markers(*dirs: str) -> None:
@@ -278,14 +276,7 @@ def test_a_store_from_before_markers_is_marked_only_once_its_files_are_all_found
     tier.close()
     assert not os.path.exists(os.path.join(b, MARKER_FILE_NAME))  # the bare mount point stays bare
     os.replace(extents + ".away", extents)  # mounted
-    tier = make_tier(engine, a, b)
-    index = DurableIndex(tier)
-    (loaded,) = index.load()
-    out = torch.empty_like(value)
-    tier.read_tensor(loaded.layout, out)
-    assert torch.equal(out, value)
-    index.close()
-    tier.close()
+    assert_store_holds(engine, (a, b), value)
     assert os.path.exists(os.path.join(b, MARKER_FILE_NAME))
 
 
