@@ -322,6 +322,28 @@ def test_what_a_reserve_answered_after_the_client_gave_up_reserved_is_aborted(
     client.close()
 
 
+@pytest.mark.parametrize("direction", ["write_from", "read_into"])
+def test_a_stream_opened_after_the_client_gave_up_is_closed(
+        daemon_factory: Any, direction: str) -> None:
+    daemon = daemon_factory(nvme_tier=True, **{"daemon.request_timeout_s": 0.5,
+                                               "nvme.stream_chunk_bytes": 1 << 20})
+    client = daemon.connect("impatient")
+    big = torch.arange(3 * (1 << 18) + 5, dtype=torch.float32)  # over three 1 MiB chunks: staged
+    client.write_from("big", big)
+    if direction == "write_from":
+        raised = stopped_for(daemon, lambda: client.write_from("other", big))
+    else:
+        raised = stopped_for(daemon, lambda: client.read_into("big", torch.empty_like(big)))
+    assert "did not answer stream_open" in str(raised)
+    client.flush()  # takes the late answer; the stream's close follows
+    counters = client.stats()
+    assert counters["counters"]["open_streams"] == 0
+    assert counters["catalog"]["num_leases"] == 0 and counters["catalog"]["num_reservations"] == 0
+    with client.get("big", exclusive=True) as view:  # no read lease left behind
+        assert torch.equal(view, big)
+    client.close()
+
+
 # --- what a PyTorch user may hand to put, get and read_into ----------------------------------
 
 def raw_bytes(t: torch.Tensor) -> bytes:

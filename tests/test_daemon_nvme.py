@@ -611,6 +611,19 @@ def test_read_into_and_write_from_move_a_tensor_larger_than_the_cpu_tier(store: 
         assert tier_counters(client)["stream_write_bytes"] == big.nbytes
 
 
+@pytest.mark.parametrize("nbytes", [3 * MiB + 1, 6 * MiB, 20 * MiB + 7])
+def test_streams_work_in_a_cpu_tier_smaller_than_a_stream_chunk(store: Store, nbytes: int) -> None:
+    # The default 8 MiB chunk in a 4 MiB tier: chunks shrink to half the tier.
+    daemon = store.start(**{"cpu.budget_bytes": 4 * MiB, "cpu.segment_bytes": 2 * MiB,
+                            "nvme.stream_chunk_bytes": 8 * MiB})
+    value = pattern(nbytes, nbytes)
+    with daemon.connect() as client:
+        client.write_from("s", value)
+        out = torch.empty_like(value)
+        client.read_into("s", out)
+        assert torch.equal(out, value)
+
+
 def test_read_into_and_write_from_of_small_tensors_go_through_the_cpu_tier(store: Store) -> None:
     daemon = store.start()
     value = torch.arange(1000, dtype=torch.float64)

@@ -867,9 +867,16 @@ class Client:
             raise
 
     def _open_stream(self, message: wire.StreamOpen) -> wire.StreamInfo:
-        (result,) = self._call(message)
+        (result,) = self._call(message, on_late_reply=self._late_stream_undo)
         self._raise_first([result])
         return wire.StreamInfo.from_wire(result)
+
+    def _late_stream_undo(self, reply: wire.Reply) -> None:
+        """As `_late_lease_undo`, for a stream_open given up on: the stream it opened (its
+        staging slices, its extents or its read lease) is closed without committing."""
+        if reply.failure is None and reply.results and type(reply.results[0]) is not ItemError:
+            info = wire.StreamInfo.from_wire(reply.results[0])
+            self._send(wire.StreamClose(info.stream_id, False, False))  # its answer not waited for
 
     def _close_stream(self, info: wire.StreamInfo, *, commit: bool, durable: bool,
                       quiet: bool = False) -> int:

@@ -8,7 +8,7 @@ A stream is either
   the stream closes (write; always so without an NVMe tier, and for tensors no
   larger than one chunk); or
 - staged: `nvme.stream_depth` staging slices of `nvme.stream_chunk_bytes` each
-  (a multiple of the 1 MiB checksum block). For each chunk the client asks the
+  (a multiple of the 1 MiB checksum block; at most half the CPU tier). For each chunk the client asks the
   daemon to read bytes [offset, offset + n) of the tensor's NVMe copy into a
   slice (CRC32C verified), then copies them out; or copies its bytes into a
   slice and asks the daemon to write them to the stream's fresh extents. With
@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from infinity.config import NvmeConfig
+from infinity.config import MiB, NvmeConfig
 from infinity.daemon.arena import CpuSlice, SpaceShortage
 from infinity.daemon.catalog import Catalog, Key, Version, check_key
 from infinity.daemon.tiers import DiskCopy, TierManager
@@ -78,7 +78,10 @@ class StreamTable:
     """Every open stream, by (client, stream id). Loop thread only."""
 
     def __init__(self, config: NvmeConfig, catalog: Catalog, tiers: TierManager) -> None:
-        self.chunk_bytes = config.stream_chunk_bytes
+        # A chunk is a staging slice of the CPU tier: at most half of it (in whole MiB, the
+        # checksum block), or a tier smaller than nvme.stream_chunk_bytes could not stream at all.
+        self.chunk_bytes = min(config.stream_chunk_bytes,
+                               max(MiB, tiers.arena.budget_bytes // 2 // MiB * MiB))
         self.depth = config.stream_depth
         self.catalog = catalog
         self.tiers = tiers
@@ -225,7 +228,7 @@ class StreamTable:
             raise LeaseError(f"staging slice {slot} of stream {stream_id} is still in use; wait "
                              f"for its last chunk's reply")
         if nbytes > self.chunk_bytes:
-            raise OutOfRangeError(f"a chunk is at most nvme.stream_chunk_bytes = "
+            raise OutOfRangeError(f"a chunk is at most the stream's chunk_bytes = "
                                   f"{self.chunk_bytes} bytes, not {nbytes}")
         piece = stream.slots[slot]
         tiers = self.tiers
