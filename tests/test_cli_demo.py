@@ -9,8 +9,10 @@ from infinity.protocol.paths import RuntimeLayout
 
 
 def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
-    # What an interrupted earlier run may have left in the demo's own store folder.
+    # What an interrupted earlier run left in the demo's own (marked) store folder.
     os.makedirs(os.path.join(disk_tmp, "store"))
+    with open(os.path.join(disk_tmp, "store", ".infinity-demo"), "wb"):
+        pass
     with open(os.path.join(disk_tmp, "store", "infinity-extents.dat"), "wb") as f:
         f.write(bytes(4096))
     result = subprocess.run(
@@ -22,3 +24,18 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     assert report["io"]["verified"] is True and report["io"]["tensors"] == 2
     assert report["daemon"] == {"tensors": 37, "bit_exact": True, "zero_copy": True}
     assert not RuntimeLayout(os.path.join(disk_tmp, "run")).daemon_running()  # the demo stopped it
+
+
+def test_demo_refuses_a_store_folder_it_did_not_make_and_leaves_it_alone(disk_tmp: str) -> None:
+    store = os.path.join(disk_tmp, "store")
+    os.makedirs(store)
+    precious = os.path.join(store, "infinity-index.sqlite")
+    with open(precious, "wb") as f:
+        f.write(b"someone's store")
+    result = subprocess.run(
+        [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HOME": disk_tmp, "INFINITY_CONFIG": ""})
+    assert result.returncode == 2 and "did not make" in result.stderr
+    with open(precious, "rb") as f:
+        assert f.read() == b"someone's store"

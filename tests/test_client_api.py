@@ -392,12 +392,12 @@ def test_puts_of_one_name_from_several_threads_all_succeed(client: Any) -> None:
         assert float(shared[0]) in {0.0, 1.0, 2.0, 3.0} and bool((shared == shared[0]).all())
 
 
-def _fake_tensor() -> torch.Tensor:
-    """A tensor with a shape and no memory, as torch.compile traces with."""
+def _fake_tensor(device: str = "cpu") -> torch.Tensor:
+    """A tensor with a shape and no memory, as torch.compile traces with (a GPU not needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
-        return torch.empty(5)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.empty(5, device=device)
 
 
 @pytest.mark.parametrize("make, advice", [
@@ -407,7 +407,8 @@ def _fake_tensor() -> torch.Tensor:
     (lambda: torch.quantize_per_tensor(torch.ones(7), 0.1, 0, torch.quint8), "int_repr"),
     (lambda: [1.0, 2.0], "torch tensor"),
     (lambda: _fake_tensor(), "no memory of its own"),
-], ids=["meta", "sparse", "nested", "quantized", "list", "fake"])
+    (lambda: _fake_tensor("cuda"), "no memory of its own"),
+], ids=["meta", "sparse", "nested", "quantized", "list", "fake", "fake-cuda"])
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on prototype and fake tensors
 def test_a_tensor_without_dense_bytes_is_refused_with_advice(client: Any, make: Any,
                                                              advice: str) -> None:

@@ -280,6 +280,26 @@ def test_a_store_from_before_markers_is_marked_only_once_its_files_are_all_found
     assert os.path.exists(os.path.join(b, MARKER_FILE_NAME))
 
 
+def test_directories_swapped_while_the_store_was_being_marked_are_refused(
+        engine: IOEngine, disk_tmp: str) -> None:
+    a, b = _two_dirs(disk_tmp)
+    _store_with_one_tensor(engine, a, b)
+    db = sqlite3.connect(os.path.join(a, INDEX_FILE_NAME), isolation_level=None)
+    db.execute("INSERT INTO meta VALUES ('marking', '1')")  # stopped before the row went
+    db.close()
+    for name in (INDEX_FILE_NAME, "infinity-index.sqlite-wal", "infinity-index.sqlite-shm"):
+        if os.path.exists(os.path.join(a, name)):
+            os.rename(os.path.join(a, name), os.path.join(b, name))
+    os.rename(a, a + ".x")  # the two drives come back at each other's paths
+    os.rename(b, a)
+    os.rename(a + ".x", b)
+    for name in (INDEX_FILE_NAME, "infinity-index.sqlite-wal", "infinity-index.sqlite-shm"):
+        if os.path.exists(os.path.join(b, name)):
+            os.rename(os.path.join(b, name), os.path.join(a, name))
+    with pytest.raises(StoreDirectoryError, match="is position 1 of this store, not 0"):
+        DurableIndex(make_tier(engine, a, b))
+
+
 def test_small_tensors_spread_over_every_directory(engine: IOEngine, disk_tmp: str) -> None:
     a, b = _two_dirs(disk_tmp)
     tier = make_tier(engine, a, b)

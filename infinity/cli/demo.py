@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from infinity.config import InfinityConfig, MiB, load_config
+from infinity.errors import StoreDirectoryError
 from infinity.io import IOEngine, aligned_empty
 from infinity.store.nvme import NvmeTier
 
@@ -76,14 +77,27 @@ def io_part(config: InfinityConfig, io_bytes: int, console: Console) -> dict[str
             tier.close()
 
 
+DEMO_SENTINEL = ".infinity-demo"  # marks a store folder as the demo's own, to remove at will
+
+
+def _fresh_demo_folder(store: Path) -> None:
+    """An empty store folder for the demo: one an interrupted demo left is emptied (it would
+    hold extents no index knows), anything else there is refused, never removed."""
+    if store.exists() and any(store.iterdir()):
+        if not (store / DEMO_SENTINEL).exists():
+            raise StoreDirectoryError(
+                f"{store} already holds files the demo did not make; pass another --dir")
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    (store / DEMO_SENTINEL).touch()
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     base = Path(args.dir).resolve()
     store = base / "store"
-    # The demo's own folder, removed at its end: what an interrupted run left goes first.
-    shutil.rmtree(store, ignore_errors=True)
-    store.mkdir(parents=True)
     config = load_config(args.config, overrides=[f"nvme.dirs={store}", *args.overrides])
+    _fresh_demo_folder(store)
     # The raw tier has no index: beside the daemon's store, never in it (it would write over
     # a store's extents, and the daemon refuses a directory holding extents it has no index of).
     raw_dirs = [Path(d) / "infinity-demo-raw" for d in config.nvme.dirs]

@@ -62,6 +62,8 @@ class Channel:
 
     def send(self, request_id: int, message: wire.Request, *, expect_reply: bool,
              releases: Sequence[int] = ()) -> None:
+        if self._abandoned:
+            self._collect_late()
         try:
             data = wire.encode_request(request_id, message, releases)
         except InvalidRequestError:
@@ -108,6 +110,32 @@ class Channel:
             self._end_use()
             if self._late:
                 self._undo_late()
+
+    def _collect_late(self) -> None:
+        """Take the answers already here, and run the undos of those given up on, before a new
+        request goes out: a retry of the same work must not meet what the first try holds."""
+        self._begin_use("a late answer")
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = wire.decode_reply(data)
+                rid = reply.request_id
+                if rid in self._waiting:
+                    self._waiting.discard(rid)
+                    self._stash[rid] = reply
+                else:
+                    undo = self._abandoned.pop(rid, None)
+                    if undo is not None:
+                        self._late.append((undo, reply))
+        except zmq.ZMQError:
+            pass  # closed meanwhile: the request that follows says so
+        finally:
+            self._end_use()
+        if self._late:
+            self._undo_late()
 
     def _undo_late(self) -> None:
         late, self._late = self._late, []

@@ -1162,15 +1162,30 @@ def _check_dense(t: torch.Tensor, what: str) -> None:
     if t.device.type == "meta":
         raise InvalidRequestError(f"`{what}` is on the meta device and has no bytes; materialize "
                                   f"it first (torch.empty_like(..., device='cpu'), say)")
-    if t.device.type == "cpu" and t.numel() and not _is_zero_tensor(t):
-        try:  # on other devices (XLA, lazy) copy_ does the work: no address needed
+    if not t.numel() or _is_zero_tensor(t):
+        return
+    if type(t) is not torch.Tensor and _is_fake(t):
+        address = 0  # whatever device it claims
+    elif t.device.type != "cpu":
+        return  # on other devices (CUDA, XLA, lazy) copy_ does the work: no address needed
+    else:
+        try:
             address = t.data_ptr()
         except RuntimeError:  # a tensor inside torch.func transforms (vmap, grad)
             address = 0
-        if not address:
-            raise InvalidRequestError(
-                f"`{what}` has no memory of its own (a FakeTensor, or a tensor inside a "
-                f"torch.func transform); pass a real tensor")
+    if not address:
+        raise InvalidRequestError(
+            f"`{what}` has no memory of its own (a FakeTensor, or a tensor inside a "
+            f"torch.func transform); pass a real tensor")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A torch.compile FakeTensor (shape and device, no memory), by torch's own test."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake  # private in torch, hence the care
+    except ImportError:
+        return False
+    return bool(is_fake(t))
 
 
 def _is_zero_tensor(t: torch.Tensor) -> bool:

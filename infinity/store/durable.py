@@ -176,15 +176,23 @@ class DurableIndex:
                 f"the stored tensors")
         store_id = meta.get("store_id")
         if store_id is None:  # written before directories were marked
-            store_id = secrets.token_hex(16)
+            beside = self._read_marker(self.tier.directories[0].path)
+            # A marker at position 0 beside this index can only be this store's (an earlier
+            # marking stopped before it noted the id); otherwise a new id.
+            store_id = beside[0] if beside is not None and beside[1] == 0 else secrets.token_hex(16)
             with _Transaction(self._db) as db:
                 db.execute("INSERT INTO meta VALUES ('store_id', ?), ('marking', '1')", (store_id,))
             meta["marking"] = "1"
         if "marking" in meta:
-            for directory in self.tier.directories:
+            for position, directory in enumerate(self.tier.directories):
                 found = self._read_marker(directory.path)
                 if found is not None and found[0] != store_id:
                     self._refuse_foreign(directory.path, 0)
+                if found is not None and found[1] != position:
+                    raise StoreDirectoryError(
+                        f"store directory {directory.path} is position {found[1]} of this store, "
+                        f"not {position}: restore the original nvme.dirs order (or put each "
+                        f"drive back at its own path)")
             self._unmarked_id = store_id
             if self._db.execute("SELECT 1 FROM tensors LIMIT 1").fetchone() is None:
                 self._finish_marking()
