@@ -156,7 +156,8 @@ class CpuTierConfig:
         _require(self.segment_bytes >= 2 * MiB and self.segment_bytes % (2 * MiB) == 0,
                  "cpu.segment_bytes must be a positive multiple of 2 MiB (2097152)")
         _require(self.budget_bytes >= self.segment_bytes,
-                 "cpu.budget_bytes must be at least one segment (cpu.segment_bytes)")
+                 f"cpu.budget_bytes ({self.budget_bytes}) must be at least one segment "
+                 f"(cpu.segment_bytes, {self.segment_bytes}); lower cpu.segment_bytes too")
         # Segments come in 2 MiB granules: a remainder could never hold anything, and a tensor
         # that fits the budget but not its granules would be neither too large nor ever placed.
         _require(self.budget_bytes % (2 * MiB) == 0,

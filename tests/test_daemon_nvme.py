@@ -595,6 +595,36 @@ def test_infinity_verify_names_corrupted_tensors_and_exits_1(
     assert "CORRUPTED default/broken" in out and "fine" not in out
 
 
+def test_infinity_verify_of_a_store_it_cannot_find_exits_2(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    other = os.path.join(store.root, "other")
+    os.mkdir(other)
+    daemon = store.start(**{"nvme.dirs": [store.dir, other]})
+    with daemon.connect() as client:
+        client.put("kept", pattern(1, 3 * MiB), durable=True)
+    daemon.stop()
+    config = ["--config", os.path.join(store.root, "settings.toml")]
+    missing = os.path.join(store.root, "not-mounted")
+    assert infinity_main(["verify", *config, "--set", f"nvme.dirs={missing}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    swapped = f"nvme.dirs={other},{store.dir}"  # the index is in the first of the store's order
+    assert infinity_main(["verify", *config, "--set", swapped]) == 2
+    assert "holds a store's files" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(other, "infinity-index.sqlite"))
+
+
+def test_a_daemon_refused_on_another_stores_directories_leaves_no_index_there(store: Store) -> None:
+    other = os.path.join(store.root, "other")
+    os.mkdir(other)
+    daemon = store.start(**{"nvme.dirs": [store.dir, other]})
+    with daemon.connect() as client:
+        client.put("kept", pattern(1, 3 * MiB), durable=True)
+    daemon.stop()
+    with pytest.raises(AssertionError, match="belongs to another store"):
+        store.start(**{"nvme.dirs": [other, store.dir]})
+    assert not os.path.exists(os.path.join(other, "infinity-index.sqlite"))
+
+
 # --- any size -----------------------------------------------------------------------------------
 
 def test_read_into_and_write_from_move_a_tensor_larger_than_the_cpu_tier(store: Store) -> None:

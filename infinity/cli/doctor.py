@@ -115,7 +115,7 @@ def check_simd() -> Finding:
 
     level = _native.simd_level()
     if level in ("avx512", "avx2"):
-        return Finding("CPU SIMD", "ok", f"{level} (CRC32C in hardware, vector optimizer kernels)")
+        return Finding("CPU SIMD", "ok", f"{level} (CRC32C in hardware, streaming copies)")
     if level == "sse4.2":
         return Finding("CPU SIMD", "warn", "sse4.2 only", "optimizer kernels run without AVX2")
     return Finding("CPU SIMD", "warn", "no SSE4.2", "checksums run in software; expect lower bandwidth")

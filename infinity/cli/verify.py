@@ -23,11 +23,11 @@ from collections import deque
 from typing import Any
 
 from infinity.config import MiB, load_config
-from infinity.errors import ConfigError, InfinityError
+from infinity.errors import ConfigError, InfinityError, StoreDirectoryError
 from infinity.io import IOEngine, IOFuture, aligned_empty
 from infinity.protocol import dtypes
-from infinity.store.durable import DurableIndex, DurableRecord, index_path
-from infinity.store.nvme import NvmeTier
+from infinity.store.durable import MARKER_FILE_NAME, DurableIndex, DurableRecord, index_path
+from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier
 
 CHUNK_BYTES = 16 * MiB  # a multiple of the 1 MiB checksum block
 IN_FLIGHT = 4
@@ -77,6 +77,18 @@ def verify_store(config_path: str | None, overrides: list[str]) -> dict[str, Any
                               "corrupted": [], "seconds": 0.0}
     first = os.path.abspath(config.nvme.dirs[0])
     if not os.path.exists(index_path(first)):
+        # Nothing to check only if nothing is there: a directory missing, or one holding a
+        # store's files (another order of nvme.dirs, say), is a store that could not be checked.
+        for directory in config.nvme.dirs:
+            if not os.path.isdir(directory):
+                raise StoreDirectoryError(f"store directory {directory} does not exist; fix "
+                                          f"nvme.dirs, or mount it")
+            extents = os.path.join(directory, EXTENT_FILE_NAME)
+            if (os.path.exists(os.path.join(directory, MARKER_FILE_NAME))
+                    or (os.path.exists(extents) and os.path.getsize(extents))):
+                raise StoreDirectoryError(
+                    f"{directory} holds a store's files but {first} holds no store index: is "
+                    f"nvme.dirs the store's, in its order (the index is in the first)?")
         report["note"] = f"no store index at {index_path(first)}: nothing was ever flushed there"
         return report
     start = time.perf_counter()

@@ -92,6 +92,9 @@ class DurableIndex:
         try:
             for directory in tier.directories:
                 self._lock_fds.append(self._lock_store(directory.path))
+            if not os.path.exists(self.path):  # refused before a file is left behind
+                for directory in tier.directories:
+                    self._refuse_foreign(directory.path, directory.opened_bytes)
             self._db = self._open(self.path)
             self._check_meta()
             self._sync_directories()
