@@ -595,14 +595,20 @@ def test_infinity_verify_names_corrupted_tensors_and_exits_1(
     assert "CORRUPTED default/broken" in out and "fine" not in out
 
 
-def test_infinity_verify_of_a_store_it_cannot_find_exits_2(
-        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+def _store_on_two_directories(store: Store) -> str:
+    """A store on [store.dir, other] holding one flushed tensor, its daemon stopped; returns other."""
     other = os.path.join(store.root, "other")
     os.mkdir(other)
     daemon = store.start(**{"nvme.dirs": [store.dir, other]})
     with daemon.connect() as client:
         client.put("kept", pattern(1, 3 * MiB), durable=True)
     daemon.stop()
+    return other
+
+
+def test_infinity_verify_of_a_store_it_cannot_find_exits_2(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    other = _store_on_two_directories(store)
     config = ["--config", os.path.join(store.root, "settings.toml")]
     missing = os.path.join(store.root, "not-mounted")
     assert infinity_main(["verify", *config, "--set", f"nvme.dirs={missing}"]) == 2
@@ -614,12 +620,7 @@ def test_infinity_verify_of_a_store_it_cannot_find_exits_2(
 
 
 def test_a_daemon_refused_on_another_stores_directories_leaves_no_index_there(store: Store) -> None:
-    other = os.path.join(store.root, "other")
-    os.mkdir(other)
-    daemon = store.start(**{"nvme.dirs": [store.dir, other]})
-    with daemon.connect() as client:
-        client.put("kept", pattern(1, 3 * MiB), durable=True)
-    daemon.stop()
+    other = _store_on_two_directories(store)
     with pytest.raises(AssertionError, match="belongs to another store"):
         store.start(**{"nvme.dirs": [other, store.dir]})
     assert not os.path.exists(os.path.join(other, "infinity-index.sqlite"))
