@@ -72,6 +72,18 @@ def test_start_when_already_running_says_so_and_succeeds(cli: Cli) -> None:
     assert again.returncode == 0 and "already running" in again.stdout
 
 
+def test_a_failed_start_shows_its_own_log_lines_not_earlier_runs(cli: Cli) -> None:
+    assert cli("start").returncode == 0
+    assert cli("stop").returncode == 0
+    layout = RuntimeLayout(cli.config.daemon.runtime_dir)
+    with open(layout.log_path, "a") as log:
+        log.write("a line an earlier run logged\n")
+    failed = cli("start", "--set", f"nvme.dirs={os.path.join(cli.root, 'not-there')}")
+    assert failed.returncode != 0
+    assert "does not exist" in failed.stderr
+    assert "earlier run" not in failed.stderr
+
+
 def test_second_daemon_on_the_same_runtime_folder_is_refused(daemon: Any) -> None:
     settings_file = daemon_settings_file(daemon.root)
     second = subprocess.run(

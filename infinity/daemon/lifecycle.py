@@ -120,12 +120,16 @@ def _flock_within(fd: int, timeout_s: float) -> bool:
         time.sleep(0.01)
 
 
-def _log_tail(layout: RuntimeLayout, lines: int = 15) -> str:
+def _log_tail(layout: RuntimeLayout, start_bytes: int = 0, lines: int = 15) -> str:
+    """The last lines of the log written from byte `start_bytes` on (this start's, not the
+    earlier runs' appended before it)."""
     try:
-        with open(layout.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:]).strip()
+        with open(layout.log_path, "rb") as f:
+            f.seek(start_bytes)
+            text = f.read().decode(errors="replace")
     except FileNotFoundError:
         return "(no log)"
+    return "".join(text.splitlines(keepends=True)[-lines:]).strip() or "(nothing logged)"
 
 
 def start_background(layout: RuntimeLayout, run_args: Sequence[str], *, timeout_s: float) -> int:
@@ -138,6 +142,7 @@ def start_background(layout: RuntimeLayout, run_args: Sequence[str], *, timeout_
     read_end, write_end = os.pipe()
     try:
         with open(layout.log_path, "ab") as log_file:
+            start_bytes = log_file.tell()  # the runs before this one's lines stay out of errors
             proc = subprocess.Popen(
                 [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),
                  *run_args],
@@ -157,11 +162,11 @@ def start_background(layout: RuntimeLayout, run_args: Sequence[str], *, timeout_
         proc.terminate()
         raise DaemonUnavailableError(
             f"infinityd did not answer within {timeout_s:g}s (daemon.start_timeout_s); its log "
-            f"{layout.log_path} ends with:\n{_log_tail(layout)}")
+            f"{layout.log_path} ends with:\n{_log_tail(layout, start_bytes)}")
     proc.wait(timeout=timeout_s)
     raise DaemonUnavailableError(
         f"infinityd failed to start (exit status {proc.returncode}); its log {layout.log_path} "
-        f"ends with:\n{_log_tail(layout)}")
+        f"ends with:\n{_log_tail(layout, start_bytes)}")
 
 
 def wait_for_exit(pid: int, timeout_s: float) -> bool:
