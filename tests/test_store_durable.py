@@ -220,18 +220,28 @@ def test_a_directory_replaced_since_is_refused(engine: IOEngine, disk_tmp: str) 
         DurableIndex(make_tier(engine, a, b))
 
 
+def _unmount_extents(directory: str) -> str:
+    """Move a directory's extent file away, as if its drive were not mounted yet; its path."""
+    extents = os.path.join(directory, EXTENT_FILE_NAME)
+    os.rename(extents, extents + ".away")
+    return extents
+
+
+def _assert_load_refused(engine: IOEngine, dirs: tuple[str, ...], reason: str) -> None:
+    tier = make_tier(engine, *dirs)
+    index = DurableIndex(tier)
+    with pytest.raises(StoreDirectoryError, match=reason):
+        index.load()
+    index.close()
+    tier.close()
+
+
 def test_a_missing_extent_file_is_refused_not_filled_with_zeros(
         engine: IOEngine, disk_tmp: str) -> None:
     a, b = _two_dirs(disk_tmp)
     _store_with_one_tensor(engine, a, b)
-    extents = os.path.join(b, EXTENT_FILE_NAME)
-    os.rename(extents, extents + ".away")  # as if b were not mounted yet
-    tier = make_tier(engine, a, b)
-    index = DurableIndex(tier)
-    with pytest.raises(StoreDirectoryError, match="is missing.*mounted"):
-        index.load()
-    index.close()
-    tier.close()
+    extents = _unmount_extents(b)
+    _assert_load_refused(engine, (a, b), "is missing.*mounted")
     assert os.path.getsize(extents) == 0  # nothing was written where the file should be
 
 
@@ -266,14 +276,8 @@ def test_a_store_from_before_markers_is_marked_only_once_its_files_are_all_found
     a, b = _two_dirs(disk_tmp)
     value, _ = _store_with_one_tensor(engine, a, b)
     _as_before_markers(a, b)
-    extents = os.path.join(b, EXTENT_FILE_NAME)
-    os.rename(extents, extents + ".away")  # b not mounted yet
-    tier = make_tier(engine, a, b)
-    index = DurableIndex(tier)
-    with pytest.raises(StoreDirectoryError, match="is missing"):
-        index.load()
-    index.close()
-    tier.close()
+    extents = _unmount_extents(b)
+    _assert_load_refused(engine, (a, b), "is missing")
     assert not os.path.exists(os.path.join(b, MARKER_FILE_NAME))  # the bare mount point stays bare
     os.replace(extents + ".away", extents)  # mounted
     assert_store_holds(engine, (a, b), value)
