@@ -519,11 +519,7 @@ class TierManager:
             assert version.cpu is not None
             if covered < nbytes:
                 covered += version.cpu.length
-                if version.dirty or version.writeback is not None:
-                    self._write_back(version, evict=True)
-                else:
-                    self._evict(version)
-                    freed = True
+                freed = self._let_go(version) or freed
             elif version.dirty and version.writeback is None and self._write_behind_bytes < ahead:
                 self._write_back(version, evict=False, ahead=True)
         if freed:
@@ -565,14 +561,18 @@ class TierManager:
         freed = False
         for segment in chosen:
             for version in members.get(segment, []):
-                if version.dirty or version.writeback is not None:
-                    self._write_back(version, evict=True)
-                else:
-                    self._evict(version)
-                    freed = True
+                freed = self._let_go(version) or freed
         if freed:
             return _FREED
         return _PENDING if self._evicting else _NOTHING
+
+    def _let_go(self, version: Version) -> bool:
+        """Evict a victim: now if it is clean (True), else once its write-back ends."""
+        if version.dirty or version.writeback is not None:
+            self._write_back(version, evict=True)
+            return False
+        self._evict(version)
+        return True
 
     def _evict(self, version: Version) -> None:
         assert version.cpu is not None and not version.dirty
@@ -838,12 +838,8 @@ class TierManager:
         if not short:
             for key in victims:
                 victim = self.resident.get(key)
-                if victim is None or key not in self.candidates:
-                    continue
-                if victim.dirty or victim.writeback is not None:
-                    self._write_back(victim, evict=True)
-                else:
-                    self._evict(victim)
+                if victim is not None and key in self.candidates:
+                    self._let_go(victim)
         return True
 
     def _check_fits(self, version: Version) -> None:
