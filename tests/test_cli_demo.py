@@ -1,5 +1,6 @@
 """`infinity demo`, the README's main job, end to end on a small size."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -39,3 +40,22 @@ def test_demo_refuses_a_store_folder_it_did_not_make_and_leaves_it_alone(disk_tm
     assert result.returncode == 2 and "did not make" in result.stderr
     with open(precious, "rb") as f:
         assert f.read() == b"someone's store"
+
+
+def test_demo_leaves_its_store_alone_while_a_daemon_still_serves_it(disk_tmp: str) -> None:
+    store = os.path.join(disk_tmp, "store")
+    os.makedirs(store)
+    for name in (".infinity-demo", "infinity-extents.dat"):
+        with open(os.path.join(store, name), "wb") as f:
+            f.write(b"x" * 4096)
+    lock = os.open(os.path.join(store, "infinity-store.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as an earlier demo's daemon, still running, holds it
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "HOME": disk_tmp, "INFINITY_CONFIG": ""})
+    finally:
+        os.close(lock)
+    assert result.returncode == 2 and "still serves" in result.stderr
+    assert os.path.getsize(os.path.join(store, "infinity-extents.dat")) == 4096

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import zmq
 
 from conftest import RunningDaemon, outcome_in_forked_child, run_in_threads, wait_until
 from infinity.errors import (DaemonUnavailableError, InvalidRequestError,
@@ -341,6 +342,21 @@ def test_a_stream_opened_after_the_client_gave_up_is_closed(
     assert counters["catalog"]["num_leases"] == 0 and counters["catalog"]["num_reservations"] == 0
     with client.get("big", exclusive=True) as view:  # no read lease left behind
         assert torch.equal(view, big)
+    client.close()
+
+
+def test_an_exclusive_get_retried_after_one_given_up_on_gets_the_lease(
+        impatient_daemon: RunningDaemon) -> None:
+    client = impatient_daemon.connect("impatient")
+    client.put("w", torch.ones(5))
+    raised = stopped_for(impatient_daemon, lambda: client.get("w", exclusive=True))
+    assert "did not answer get" in str(raised)
+    # The late answer (the first try's exclusive lease) is here before the retry goes out.
+    assert client._channel().sock.poll(10_000, zmq.POLLIN)
+    with client.get("w", exclusive=True) as view:
+        view.fill_(2.0)
+    with client.get("w") as view:
+        assert torch.equal(view, torch.full((5,), 2.0))
     client.close()
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from infinity.config import InfinityConfig, MiB, load_config
 from infinity.errors import StoreDirectoryError
 from infinity.io import IOEngine, aligned_empty
+from infinity.store.durable import LOCK_FILE_NAME
 from infinity.store.nvme import NvmeTier
 
 TENSOR_BYTES = 64 * MiB
@@ -80,6 +83,21 @@ def io_part(config: InfinityConfig, io_bytes: int, console: Console) -> dict[str
 DEMO_SENTINEL = ".infinity-demo"  # marks a store folder as the demo's own, to remove at will
 
 
+def _in_use(lock_path: Path) -> bool:
+    """Whether a process holds the store lock (a daemon serving the store)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the lock if this took it
+    return False
+
+
 def _fresh_demo_folder(store: Path) -> None:
     """An empty store folder for the demo: one an interrupted demo left is emptied (it would
     hold extents no index knows), anything else there is refused, never removed."""
@@ -87,6 +105,11 @@ def _fresh_demo_folder(store: Path) -> None:
         if not (store / DEMO_SENTINEL).exists():
             raise StoreDirectoryError(
                 f"{store} already holds files the demo did not make; pass another --dir")
+        if _in_use(store / LOCK_FILE_NAME):
+            raise StoreDirectoryError(
+                f"a daemon still serves the demo's store {store} (an earlier demo stopped before "
+                f"it could stop it); stop it with `infinityd stop --set daemon.runtime_dir="
+                f"{store.parent / 'run'}`, or pass another --dir")
         shutil.rmtree(store)
     store.mkdir(parents=True, exist_ok=True)
     (store / DEMO_SENTINEL).touch()

@@ -472,8 +472,9 @@ class Client:
         def undo(reply: wire.Reply) -> None:
             if reply.failure is None and any(r is not None and type(r) is not ItemError
                                              for r in reply.results):
-                with self._pending_lock:  # rides along with the next message, as a release does
-                    self._pending_releases.append(lease_id)
+                # Sent now, not with the next message: that may be a retry of this very get,
+                # which the lease (exclusive, say) would refuse.
+                self._send(wire.Release((lease_id,)))
         return undo
 
     def _late_reserve_undo(self, namespace: str, names: builtins.list[str]) -> LateReply:
