@@ -8,6 +8,7 @@ with their index, so every device tensor is checked.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import PREFETCH_SETTINGS, RunningDaemon
+from conftest import PREFETCH_SETTINGS, RunningDaemon, wait_until
 from infinity.client.device import CpuCopier, CudaCopier, DeviceCache
 from infinity.errors import InvalidRequestError, LeaseError, TierFullError, TooLargeError
 
@@ -477,3 +478,33 @@ def test_unmap_hooks_run_for_every_segment_when_the_client_closes(
     client.on_segment_unmap(hook)  # added once
     client.close()
     assert mapped and sorted(seen) == sorted(mapped)
+
+
+def test_closing_a_cache_whose_prefetch_answer_was_given_up_on_gives_its_lease_back(
+        daemon_factory: Any) -> None:
+    daemon = daemon_factory(nvme_tier=True, **{**PREFETCH_SETTINGS, "cpu.budget_bytes": 32 * MiB,
+                                               "daemon.request_timeout_s": 0.5})
+    client = daemon.connect("trainer")
+    write_layers(client)
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES)
+    for _ in range(2):  # record, then replay: the next gets send prefetch requests
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with cache.get("layer0"):
+        pass
+    send_prefetch = cache._prefetch
+
+    def stalling_prefetch() -> None:  # the daemon stops as the prefetch request goes out
+        daemon.process.send_signal(signal.SIGSTOP)
+        send_prefetch()
+
+    cache._prefetch = stalling_prefetch  # type: ignore[method-assign]
+    try:
+        with cache.get("layer1"):
+            pass
+        cache.close()  # gives up on the prefetch's answer after the request timeout
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    # Nothing reads the cache's socket again: its lease must go back all the same.
+    wait_until(lambda: leases_held(client) == 0, timeout_s=10,
+               what="the given-up prefetch's lease to be released")
+    client.close()

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from infinity.config import InfinityConfig, MiB, load_config
 from infinity.errors import StoreDirectoryError
 from infinity.io import IOEngine, aligned_empty
+from infinity.protocol.paths import RuntimeLayout
 from infinity.store.durable import LOCK_FILE_NAME
 from infinity.store.nvme import NvmeTier
 
@@ -83,34 +84,40 @@ def io_part(config: InfinityConfig, io_bytes: int, console: Console) -> dict[str
 DEMO_SENTINEL = ".infinity-demo"  # marks a store folder as the demo's own, to remove at will
 
 
-def _in_use(lock_path: Path) -> bool:
-    """Whether a process holds the store lock (a daemon serving the store)."""
+def _store_lock(store: Path) -> int | None:
+    """The store's lock taken (its fd: hold it while emptying the store), or None when a
+    process holds it (a daemon serving the store)."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
+        fd = os.open(store / LOCK_FILE_NAME, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreDirectoryError(f"cannot open {store / LOCK_FILE_NAME}: {exc.strerror}; pass "
+                                  f"another --dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # drops the lock if this took it
-    return False
+        os.close(fd)
+        return None
+    return fd
 
 
-def _fresh_demo_folder(store: Path) -> None:
+def _fresh_demo_folder(store: Path, runtime: Path) -> None:
     """An empty store folder for the demo: one an interrupted demo left is emptied (it would
-    hold extents no index knows), anything else there is refused, never removed."""
+    hold extents no index knows), anything else there is refused, never removed, and so is the
+    demo's own while a daemon runs on it (or is starting: the runtime folder's lock comes first)."""
     if store.exists() and any(store.iterdir()):
         if not (store / DEMO_SENTINEL).exists():
             raise StoreDirectoryError(
                 f"{store} already holds files the demo did not make; pass another --dir")
-        if _in_use(store / LOCK_FILE_NAME):
+        lock = None if RuntimeLayout(str(runtime)).daemon_running() else _store_lock(store)
+        if lock is None:
             raise StoreDirectoryError(
                 f"a daemon still serves the demo's store {store} (an earlier demo stopped before "
                 f"it could stop it); stop it with `infinityd stop --set daemon.runtime_dir="
-                f"{store.parent / 'run'}`, or pass another --dir")
-        shutil.rmtree(store)
+                f"{runtime}`, or pass another --dir")
+        try:
+            shutil.rmtree(store)
+        finally:
+            os.close(lock)
     store.mkdir(parents=True, exist_ok=True)
     (store / DEMO_SENTINEL).touch()
 
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     base = Path(args.dir).resolve()
     store = base / "store"
     config = load_config(args.config, overrides=[f"nvme.dirs={store}", *args.overrides])
-    _fresh_demo_folder(store)
+    _fresh_demo_folder(store, base / "run")
     # The raw tier has no index: beside the daemon's store, never in it (it would write over
     # a store's extents, and the daemon refuses a directory holding extents it has no index of).
     raw_dirs = [Path(d) / "infinity-demo-raw" for d in config.nvme.dirs]

@@ -111,6 +111,11 @@ class Channel:
             if self._late:
                 self._undo_late()
 
+    def forget_abandoned(self, request_id: int) -> bool:
+        """Drop the undo kept for a request given up on; True if there was one (its answer has
+        not been read): the caller undoes it now instead."""
+        return self._abandoned.pop(request_id, None) is not None
+
     def _collect_late(self) -> None:
         """Take the answers already here, and run the undos of those given up on, before a new
         request goes out: a retry of the same work must not meet what the first try holds."""

@@ -160,6 +160,19 @@ class PendingResident:
             on_late_reply=self._client._late_lease_undo(self._lease_id))
         return self._client._resident_lease(self._lease_id, self._names, answer)
 
+    def give_back(self) -> None:
+        """After `result()` gave up waiting: release what the daemon leases for the request
+        now, on the request's own socket (so after it, in order), not when its answer is read,
+        which a requester not used again never does."""
+        if not self._channel.forget_abandoned(self._lease_id):
+            return
+        try:
+            self._client._check_usable()
+            self._channel.send(next(self._client._request_ids), wire.Release((self._lease_id,)),
+                               expect_reply=False)
+        except InfinityError:
+            pass  # the session is gone, and its leases with it
+
 
 class Lease:
     """Leased views; released on `release()` or when a `with` block ends.

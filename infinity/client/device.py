@@ -505,8 +505,9 @@ class DeviceCache:
         except (DaemonUnavailableError, ForkedClientError):
             if use:
                 raise
-            # Giving back: a session that is gone took its leases with it, and the answer to a
-            # request given up on is undone when it comes (see Channel.wait).
+            # Giving back: a session that is gone took its leases with it; a request given up
+            # on (the daemon slow) is released on its socket now, as nothing may read it again.
+            request.give_back()
             return
         except ProtocolError:
             raise
