@@ -447,3 +447,47 @@ def test_a_prefetch_keeps_its_namespace_within_its_quota_in_a_tier_with_free_roo
     # The quota's two layers, and the one the get itself loads on demand past it at worst.
     assert peak <= 3 * MiB + layer_bytes, f"namespace w held {peak} bytes against a 3 MiB quota"
     client.close()
+
+
+def test_a_restarted_daemon_keeps_prefetch_hints_within_the_namespace_quota(
+        store: PrefetchStore) -> None:
+    settings = {"cpu.budget_bytes": 32 * MiB, "scheduler.namespace_quota_bytes": {"w": 3 * MiB}}
+    with store.start(**settings).connect("t") as client:
+        write_layers(client, namespace="w", count=8)
+        client.flush_store()
+    store.daemons[-1].stop()
+    client = store.start(**settings).connect("t")  # a scheduler that has seen none of them
+    peak = 0
+    for i in range(8):
+        client.prefetch([f"layer{i}"], namespace="w")
+        wait_until(lambda: sum(client.stats()["counters"]["tiers"][k] for k in
+                               ("prefetches", "prefetches_skipped")) >= i + 1,
+                   timeout_s=10, what="the prefetch to be taken up")
+        wait_until(lambda: client.stats()["scheduler"]["inflight_bytes"] == 0, timeout_s=10,
+                   what="the prefetch to land")
+        (mine,) = [n for n in client.stats()["scheduler"]["namespaces"] if n["namespace"] == "w"]
+        peak = max(peak, mine["bytes"])
+    assert peak <= 3 * MiB, f"namespace w held {peak} bytes against a 3 MiB quota"
+    client.close()
+
+
+def test_a_prefetched_tensor_replaced_before_it_is_read_is_no_prefetch_hit(
+        store: PrefetchStore) -> None:
+    daemon = store.start()
+    reader, writer = daemon.connect("reader"), daemon.connect("writer")
+    write_layers(reader)
+    assert run_step(reader, list(range(NUM_LAYERS)))[0].outcome == "recorded"
+    # Between steps the next step's start is prefetched: layer0 comes in for the reader.
+    wait_until(lambda: any(i.name == "layer0" and "cpu" in i.tier for i in reader.list()),
+               timeout_s=10, what="layer0 to be prefetched")
+    wait_until(lambda: reader.stats()["scheduler"]["inflight_bytes"] == 0, timeout_s=10,
+               what="the prefetches to land")
+    before = scheduler_totals(reader, "reader")
+    writer.put("layer0", torch.full(LAYER_SHAPE, 100.0))  # replaced, the prefetched bytes unread
+    with reader.get("layer0") as view:
+        assert view[0, 0].item() == 100.0
+    after = scheduler_totals(reader, "reader")
+    assert after["prefetch_hits"] == before["prefetch_hits"]
+    assert after["prefetch_wasted_bytes"] > before["prefetch_wasted_bytes"]
+    for client in (reader, writer):
+        client.close()

@@ -997,28 +997,31 @@ class Scheduler:
         return chosen, got
 
     def victims_for_prefetch(self, key: TensorKey, candidates: Iterable[TensorKey],
-                             need_bytes: int) -> list[TensorKey] | None:
+                             need_bytes: int, *, nbytes: int | None = None
+                             ) -> list[TensorKey] | None:
         """Victims to make `need_bytes` of room for prefetching `key`, or None: skip that prefetch.
 
         Only tensors whose next use is after `key`'s may go, and the prefetch
         must also fit its namespace's quota. The daemon calls this instead of
-        `choose_victims` when the room is for a prefetch.
+        `choose_victims` when the room is for a prefetch. `nbytes`: the tensor's size, where
+        the caller knows it (this scheduler may not have seen the tensor yet: a restart).
         """
         allowed = self._as_set(candidates)
-        victims = self._prefetch_victims(key, allowed, need_bytes)
+        victims = self._prefetch_victims(key, allowed, need_bytes, nbytes)
         if victims is None and self._adopt(allowed):
-            victims = self._prefetch_victims(key, allowed, need_bytes)
+            victims = self._prefetch_victims(key, allowed, need_bytes, nbytes)
         return victims
 
     def _prefetch_victims(self, key: TensorKey, allowed: AbstractSet[TensorKey] | Mapping[TensorKey, Any],
-                          need_bytes: int) -> list[TensorKey] | None:
+                          need_bytes: int, nbytes: int | None) -> list[TensorKey] | None:
         need_s = self._need_s(key)
         pool = _VictimPool(self._allowed_order(allowed))
         victims: list[tuple[TensorKey, int]] = []
         quota = self.config.quota_bytes(key[0])
         if quota is not None:
             # A load under way counts in its namespace already (load_started): not twice.
-            own = 0 if key in self._inflight else self._sizes.get(key, 0)
+            own = 0 if key in self._inflight else (
+                nbytes if nbytes is not None else self._sizes.get(key, 0))
             excess = self._namespace_bytes.get(key[0], 0) + own - quota
             picked = pool.pick(excess, later_than_s=need_s, namespace=key[0])
             if picked is None:

@@ -313,6 +313,11 @@ class TierManager:
 
     def published(self, version: Version) -> None:
         if self.nvme is not None and version.cpu is not None and version.nbytes:
+            replaced = self.resident.get(version.key)
+            if replaced is not None and replaced is not version:
+                # The version it replaces leaves the tier as far as the policy goes: a prefetch
+                # of it that nobody read was wasted, and a read of the new one is no hit of it.
+                self.policy.forget(version.key)
             self.resident[version.key] = version
             self.policy.touched(version.key, version.nbytes)
 
@@ -496,7 +501,8 @@ class TierManager:
         if prefetch_of is not None and self.scheduler is not None:
             free = self.arena.budget_bytes - self.arena.used_bytes
             victims = self.scheduler.victims_for_prefetch(
-                prefetch_of, self.candidates, nbytes - free if 0 < free < nbytes else nbytes)
+                prefetch_of, self.candidates, nbytes - free if 0 < free < nbytes else nbytes,
+                nbytes=nbytes)
             if victims is None:
                 return _NOTHING  # everything that could go is needed before the prefetched tensor
             ahead = 0
@@ -832,7 +838,8 @@ class TierManager:
         short = max(0, version.nbytes - free)
         if not short and self.config.scheduler.quota_bytes(version.key[0]) is None:
             return True
-        victims = self.scheduler.victims_for_prefetch(version.key, self.candidates, short)
+        victims = self.scheduler.victims_for_prefetch(version.key, self.candidates, short,
+                                                      nbytes=version.nbytes)
         if victims is None:
             return False
         if not short:
