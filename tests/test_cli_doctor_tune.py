@@ -96,3 +96,21 @@ def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pyte
     assert finding.status == "warn" and "shmem_enabled" in finding.advice
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size [advise] never deny force"
     assert doctor.check_hugepages().status == "ok"
+
+
+def test_tune_on_a_drive_without_room_for_its_probe_says_so(tiny_tmpfs_dir: str) -> None:
+    result = infinity_cli("tune", "--quick", "--dry-run", "--file-bytes", str(64 << 20), tiny_tmpfs_dir)
+    assert result.returncode == 2, result.stderr
+    assert "no room" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_tune_edits_a_symlinked_config_in_place_and_keeps_its_mode(disk_tmp: str) -> None:
+    real = Path(disk_tmp) / "real.toml"
+    real.write_text("[daemon]\nclient_timeout_s = 7.5\n")
+    real.chmod(0o600)
+    link = Path(disk_tmp) / "link.toml"
+    link.symlink_to(real)
+    result = infinity_cli("tune", "--quick", "--file-bytes", str(64 << 20), "--config", str(link), disk_tmp)
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and "[io]" in real.read_text()
+    assert real.stat().st_mode & 0o777 == 0o600

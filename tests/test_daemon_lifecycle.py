@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import fcntl
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import torch
 
 import infinity
 from conftest import (DAEMON_TEST_SETTINGS, clean_environment, daemon_settings_file,
-                      short_tmp_root)
+                      short_tmp_root, wait_until)
 from infinity.config import load_config
 from infinity.errors import ConfigError, DaemonUnavailableError
 from infinity.protocol.paths import RuntimeLayout
@@ -82,6 +84,42 @@ def test_a_failed_start_shows_its_own_log_lines_not_earlier_runs(cli: Cli) -> No
     assert failed.returncode != 0
     assert "does not exist" in failed.stderr
     assert "earlier run" not in failed.stderr
+
+
+def test_a_runtime_folder_whose_files_cannot_be_made_is_an_error_not_a_traceback(cli: Cli) -> None:
+    layout = RuntimeLayout(cli.config.daemon.runtime_dir)
+    os.makedirs(layout.lock_path)  # a directory where the lock file must go
+    os.chmod(layout.root, 0o700)
+    failed = cli("run")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "daemon.runtime_dir" in failed.stderr
+
+
+def test_ctrl_c_while_start_waits_is_a_message_not_a_traceback(cli: Cli) -> None:
+    layout = RuntimeLayout(cli.config.daemon.runtime_dir)
+    os.makedirs(layout.root, mode=0o700)
+    held = os.open(layout.start_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another start under way: this one waits for it
+    try:
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "infinity.daemon.main", "start", "--config", cli.settings_file,
+             *_flags(cli.settings)], stderr=subprocess.PIPE, text=True, env=clean_environment())
+        # It waits in a retry loop of short sleeps (clock_nanosleep, x86-64 230).
+        wait_until(lambda: _syscall_of(starter.pid) == "230", timeout_s=30,
+                   what="infinityd start to wait for the start lock")
+        starter.send_signal(signal.SIGINT)
+        _, err = starter.communicate(timeout=30)
+    finally:
+        os.close(held)
+    assert starter.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def _syscall_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def test_second_daemon_on_the_same_runtime_folder_is_refused(daemon: Any) -> None:

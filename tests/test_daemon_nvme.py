@@ -619,6 +619,21 @@ def test_infinity_verify_of_a_store_it_cannot_find_exits_2(
     assert not os.path.exists(os.path.join(other, "infinity-index.sqlite"))
 
 
+def test_infinity_verify_of_a_store_whose_index_is_damaged_exits_2(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put("kept", pattern(1, 3 * MiB), durable=True)
+    daemon.stop()
+    index = os.path.join(store.dir, "infinity-index.sqlite")
+    with open(index, "r+b") as f:  # the header stays whole: the damage shows when pages are read
+        f.seek(4096)
+        f.write(b"\xff" * (os.path.getsize(index) - 4096))
+    flags = ["--config", os.path.join(store.root, "settings.toml"), "--set", f"nvme.dirs={store.dir}"]
+    assert infinity_main(["verify", *flags]) == 2
+    assert "damaged" in capsys.readouterr().err
+
+
 def test_a_daemon_refused_on_another_stores_directories_leaves_no_index_there(store: Store) -> None:
     other = _store_on_two_directories(store)
     with pytest.raises(AssertionError, match="belongs to another store"):

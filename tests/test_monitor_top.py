@@ -71,3 +71,34 @@ def test_an_interval_that_is_not_a_positive_number_is_refused_with_a_usage_error
         daemon: Any, interval: str) -> None:
     result = run_top(daemon.config, "--interval-s", interval)
     assert result.returncode == 2 and "is not a positive number of seconds" in result.stderr
+
+
+def test_a_client_name_with_brackets_is_drawn_as_text(daemon: Any) -> None:
+    named = daemon.connect("trainer[/]")
+    try:
+        result = run_top(daemon.config, "--once")
+    finally:
+        named.close()
+    assert result.returncode == 0, result.stderr
+    assert "trainer[/]" in result.stdout
+
+
+def test_stopping_the_collector_does_not_wait_for_a_hung_daemon(daemon: Any) -> None:
+    import dataclasses
+    import signal
+    import time
+
+    from infinity.monitor.collector import STOP_WAIT_S, StatsCollector
+
+    patient = dataclasses.replace(daemon.config, daemon=dataclasses.replace(
+        daemon.config.daemon, request_timeout_s=30.0))
+    collector = StatsCollector(patient, interval_s=0.05)
+    collector.start()
+    daemon.process.send_signal(signal.SIGSTOP)  # its next poll waits for an answer
+    try:
+        time.sleep(0.3)  # six poll intervals: one is under way (no event says so from outside)
+        started = time.monotonic()
+        collector.stop()
+        assert time.monotonic() - started < STOP_WAIT_S + 2  # not the 30 s a poll may wait
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)

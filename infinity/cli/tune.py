@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,12 @@ def sweep(directory: str, *, file_bytes: int, quick: bool) -> list[Trial]:
     buffer.random_(0, 256)
     trials = []
     try:
-        os.posix_fallocate(fd, 0, file_bytes)
+        try:
+            os.posix_fallocate(fd, 0, file_bytes)
+        except OSError as exc:
+            raise StoreDirectoryError(
+                f"{directory} has no room for the {file_bytes}-byte probe ({exc.strerror}); free "
+                f"space there or pass a smaller --file-bytes") from None
         settings = candidates(quick=quick)
         with Progress(transient=True) as progress:
             task = progress.add_task(f"tuning {directory}", total=len(settings))
@@ -112,9 +118,12 @@ def write_io_table(config_path: Path, best: Trial) -> None:
     table["queue_depth"] = best.queue_depth
     table["num_threads"] = best.num_threads
     IOConfig(**{k: v for k, v in table.items()}).validate()
+    config_path = config_path.resolve()  # a symlinked config: its target is the file to edit
     config_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = config_path.with_suffix(config_path.suffix + ".tmp")
     tmp.write_text(tomlkit.dumps(document))
+    if config_path.exists():
+        os.chmod(tmp, stat.S_IMODE(config_path.stat().st_mode))  # keep who may read it
     os.replace(tmp, config_path)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 import time
 from collections import deque
@@ -95,11 +96,16 @@ def verify_store(config_path: str | None, overrides: list[str]) -> dict[str, Any
     with IOEngine.from_config(config.io) as engine:
         tier = NvmeTier(config.nvme, engine)
         try:
-            index = DurableIndex(tier)
             try:
-                records = index.load()
-            finally:
-                index.close()
+                index = DurableIndex(tier)
+                try:
+                    records = index.load()
+                finally:
+                    index.close()
+            except sqlite3.DatabaseError as exc:  # damage past the header shows when read
+                raise StoreDirectoryError(
+                    f"the store index {index_path(first)} is damaged ({exc}); restore the store "
+                    f"from a backup") from None
             buffers = [aligned_empty(CHUNK_BYTES) for _ in range(IN_FLIGHT)]
             for record in records:
                 problem = _check_tensor(tier, record, buffers)

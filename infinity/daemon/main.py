@@ -181,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     except InfinityError as exc:
         print(f"infinityd {args.command}: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the runtime folder's files: read-only, full, gone
+        print(f"infinityd {args.command}: {exc.strerror} ({exc.filename}); check "
+              f"daemon.runtime_dir, or choose another", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"infinityd {args.command}: interrupted"
+              + ("; the daemon may still be starting (infinityd status)"
+                 if args.command == "start" else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

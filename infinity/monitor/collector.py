@@ -23,6 +23,9 @@ class Snapshot:
     error: str | None = None  # why there are no stats, in words
 
 
+STOP_WAIT_S = 0.5  # how long `stop` waits for a poll under way
+
+
 class StatsCollector:
     """Polls the daemon every `interval_s` on its own thread; `latest()` never blocks."""
 
@@ -71,6 +74,8 @@ class StatsCollector:
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
+        """Stop polling; returns at once even while a poll waits on a hung daemon (the thread is a
+        daemon thread and ends with its poll)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=STOP_WAIT_S)

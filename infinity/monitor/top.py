@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from infinity.config import MiB, load_config
 from infinity.errors import InfinityError
@@ -41,11 +42,13 @@ def _rows(value: Any, key: str) -> list[dict[str, Any]]:
 
 def render(snapshot: Snapshot) -> Group:
     if snapshot.error is not None:
-        return Group(f"[yellow]infinityd: {snapshot.error}")
+        return Group(Text(f"infinityd: {snapshot.error}", style="yellow"))
     stats = snapshot.stats if isinstance(snapshot.stats, dict) else {}
     daemon = _table(stats, "daemon")
-    head = (f"[bold]infinityd[/] {daemon.get('version', '-')}  pid {daemon.get('pid', '-')}  "
-            f"up {daemon.get('uptime_s', '-')} s  {daemon.get('runtime_dir', '-')}")
+    # Data is never markup: a client's name or a path may hold brackets.
+    head = Text.assemble(("infinityd", "bold"), f" {daemon.get('version', '-')}  pid "
+                         f"{daemon.get('pid', '-')}  up {daemon.get('uptime_s', '-')} s  "
+                         f"{daemon.get('runtime_dir', '-')}")
     tiers = Table(title="tiers")
     for column in ("tier", "used", "budget / capacity", "detail"):
         tiers.add_column(column)
@@ -61,7 +64,8 @@ def render(snapshot: Snapshot) -> Group:
     for column in ("id", "name", "pid", "leases", "reservations", "idle s"):
         clients.add_column(column)
     for c in _rows(stats, "clients"):
-        clients.add_row(*(str(c.get(k, "-")) for k in ("id", "name", "pid", "leases", "reservations", "idle_s")))
+        clients.add_row(*(Text(str(c.get(k, "-")))
+                          for k in ("id", "name", "pid", "leases", "reservations", "idle_s")))
     parts: list[Any] = [head, tiers, clients]
     scheduler = stats.get("scheduler")
     if isinstance(scheduler, dict):
@@ -88,8 +92,8 @@ def _scheduler_table(scheduler: dict[str, Any]) -> Table:
         totals = _table(entry, "totals")
         hits = (totals.get("prefetch_hits", 0) or 0) + (totals.get("resident_hits", 0) or 0)
         stall = totals.get("stall_s")
-        table.add_row(str(entry.get("namespace", "-")), str(entry.get("client", "-")),
-                      str(entry.get("state", "-")) + ("" if entry.get("active") else " (gone)"),
+        table.add_row(Text(str(entry.get("namespace", "-"))), Text(str(entry.get("client", "-"))),
+                      Text(str(entry.get("state", "-")) + ("" if entry.get("active") else " (gone)")),
                       str(totals.get("steps", "-")), str(entry.get("trace_entries", "-")),
                       str(hits), str(totals.get("inflight_hits", "-")),
                       str(totals.get("misses", "-")),
