@@ -27,7 +27,7 @@ from infinity.config import MiB, load_config
 from infinity.errors import ConfigError, InfinityError, StoreDirectoryError
 from infinity.io import IOEngine, IOFuture, aligned_empty
 from infinity.protocol import dtypes
-from infinity.store.durable import MARKER_FILE_NAME, DurableIndex, DurableRecord, index_path
+from infinity.store.durable import DurableIndex, DurableRecord, index_path, store_files_in
 from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier
 
 CHUNK_BYTES = 16 * MiB  # a multiple of the 1 MiB checksum block
@@ -85,11 +85,12 @@ def verify_store(config_path: str | None, overrides: list[str]) -> dict[str, Any
                 raise StoreDirectoryError(f"store directory {directory} does not exist; fix "
                                           f"nvme.dirs, or mount it")
             extents = os.path.join(directory, EXTENT_FILE_NAME)
-            if (os.path.exists(os.path.join(directory, MARKER_FILE_NAME))
-                    or (os.path.exists(extents) and os.path.getsize(extents))):
+            found = store_files_in(directory,
+                                   os.path.getsize(extents) if os.path.exists(extents) else 0)
+            if found is not None:
                 raise StoreDirectoryError(
-                    f"{directory} holds a store's files but {first} holds no store index: is "
-                    f"nvme.dirs the store's, in its order (the index is in the first)?")
+                    f"{directory} holds a store's files ({found}) but {first} holds no store "
+                    f"index: is nvme.dirs the store's, in its order (the index is in the first)?")
         report["note"] = f"no store index at {index_path(first)}: nothing was ever flushed there"
         return report
     start = time.perf_counter()

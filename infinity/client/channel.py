@@ -10,7 +10,8 @@ that the daemon is still there, so a dead daemon is reported in well under a
 second and a silent one after the request timeout, never a hang. A caller
 that gives up on a request whose late answer would hold something (a lease, a
 reservation) leaves an undo for it: run when that answer comes, at a later
-wait on the same channel, once the socket is free for the undo's own message.
+wait on the same channel, or before its next request goes out, once the socket
+is free for the undo's own message.
 
 Closing the client may happen on another thread than a channel's user, and a
 ZeroMQ socket must not be closed under a thread that is using it: `shut` closes
@@ -126,15 +127,7 @@ class Channel:
                     data = self.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                reply = wire.decode_reply(data)
-                rid = reply.request_id
-                if rid in self._waiting:
-                    self._waiting.discard(rid)
-                    self._stash[rid] = reply
-                else:
-                    undo = self._abandoned.pop(rid, None)
-                    if undo is not None:
-                        self._late.append((undo, reply))
+                self._keep(wire.decode_reply(data))
         except zmq.ZMQError:
             pass  # closed meanwhile: the request that follows says so
         finally:
@@ -190,14 +183,20 @@ class Channel:
             if rid == request_id:
                 self._waiting.discard(rid)
                 return reply
-            if rid in self._waiting:
-                self._waiting.discard(rid)
-                self._stash[rid] = reply
-            elif self._abandoned:
-                undo = self._abandoned.pop(rid, None)
-                if undo is not None:
-                    self._late.append((undo, reply))
-            # Anything else answers a request nobody waits for (a refused no-reply request).
+            self._keep(reply)
+
+    def _keep(self, reply: wire.Reply) -> None:
+        """A reply to another request than the one awaited: stashed for its waiter, or queued
+        with the undo of a request given up on; anything else answers a request nobody waits
+        for (a refused no-reply request)."""
+        rid = reply.request_id
+        if rid in self._waiting:
+            self._waiting.discard(rid)
+            self._stash[rid] = reply
+        elif self._abandoned:
+            undo = self._abandoned.pop(rid, None)
+            if undo is not None:
+                self._late.append((undo, reply))
 
     def call(self, request_id: int, message: wire.Request, *, releases: Sequence[int] = (),
              patient: bool = False, on_late_reply: LateReply | None = None) -> wire.Reply:

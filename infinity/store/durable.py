@@ -59,6 +59,15 @@ class DurableRecord:
     layout: TensorLayout
 
 
+def store_files_in(directory: str, extent_file_bytes: int) -> str | None:
+    """What in `directory` shows a store's data, in words: its marker, or an extent file that
+    held `extent_file_bytes` (as the caller found it, before any writes of its own); None when
+    there is none."""
+    if os.path.exists(os.path.join(directory, MARKER_FILE_NAME)):
+        return f"a store ({MARKER_FILE_NAME})"
+    return "an extent file" if extent_file_bytes else None
+
+
 def index_path(first_directory: str) -> str:
     """Where the index of a store whose first directory is `first_directory` lives."""
     return os.path.join(first_directory, INDEX_FILE_NAME)
@@ -190,7 +199,7 @@ class DurableIndex:
             for position, directory in enumerate(self.tier.directories):
                 found = self._read_marker(directory.path)
                 if found is not None and found[0] != store_id:
-                    self._refuse_foreign(directory.path, 0)
+                    self._refuse_foreign(directory.path, 0)  # its marker names another store
                 if found is not None and found[1] != position:
                     raise StoreDirectoryError(
                         f"store directory {directory.path} is position {found[1]} of this store, "
@@ -226,14 +235,13 @@ class DurableIndex:
 
     def _refuse_foreign(self, directory: str, extent_file_bytes: int) -> None:
         """For a fresh store: refuse a directory that holds another store's data."""
-        marker = self._read_marker(directory)
-        if marker is not None or extent_file_bytes:
+        found = store_files_in(directory, extent_file_bytes)
+        if found is not None:
             raise StoreDirectoryError(
-                f"store directory {directory} already holds "
-                f"{'a store (' + MARKER_FILE_NAME + ')' if marker is not None else 'an extent file'}"
-                f" that the new store index {self.path} knows nothing of: it belongs to another "
-                f"store, perhaps with other nvme.dirs or another order; use those settings, or "
-                f"give this store empty directories")
+                f"store directory {directory} already holds {found} that the new store index "
+                f"{self.path} knows nothing of: it belongs to another store, perhaps with other "
+                f"nvme.dirs or another order; use those settings, or give this store empty "
+                f"directories")
 
     def _finish_marking(self) -> None:
         """Write every directory's marker, make them durable, then drop the 'marking' row."""
