@@ -1,6 +1,7 @@
 """Benchmark infinityd against its limits, in one run; prints JSON on stdout.
 
     python tools/bench_daemon.py [--rounds 5] [--iterations 2000] [--seconds 3] [--put-repeats 15]
+        [--set TABLE.KEY=VALUE ...]
 
 Measured request by request in turn (echo, get, batched get, ...) so that the
 machine's background load hits every subject alike:
@@ -43,7 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import infinity
-from bench_launch import start_daemon
+from bench_launch import start_daemon, typed_settings
 from infinity.config import InfinityConfig
 from infinity.io.buffers import fill_method
 
@@ -110,12 +111,14 @@ class Echo:
 
 # --- the daemon ---------------------------------------------------------------------------------
 
-def _start_daemon(folder: str) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
+def _start_daemon(folder: str, extra: dict[str, Any] | None = None
+                  ) -> tuple[subprocess.Popen[bytes], InfinityConfig]:
     return start_daemon(folder, {
         "daemon.runtime_dir": os.path.join(folder, "rt"),
         "cpu.budget_bytes": 1024 * MiB,
         "cpu.segment_bytes": 256 * MiB,
         "daemon.log_level": "warning",
+        **(extra or {}),
     })
 
 
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=2000, help="per subject and round")
     parser.add_argument("--seconds", type=float, default=3.0, help="per throughput measurement")
     parser.add_argument("--put-repeats", type=int, default=15)
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a setting of the daemon and the client, e.g. "
+                             "cpu.spare_fraction=0 (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     console = Console(stderr=True)
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     try:
         echo = Echo(folder)
-        daemon, config = _start_daemon(folder)
+        daemon, config = _start_daemon(folder, typed_settings(args.set))
         client = infinity.connect(config=config, name="bench")
         names = _names(BATCH)
         client.put_many({name: torch.randn(1024) for name in names})  # 4 KiB each, resident
@@ -307,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "load_avg_1m": round(os.getloadavg()[0], 2)},
+            "settings": {text.split("=", 1)[0].strip(): text.split("=", 1)[1].strip()
+                         for text in args.set},
             "latency": lat,
             "requests_per_s": rps,
             "put_64MiB": put,
