@@ -222,7 +222,8 @@ class SchedulerConfig:
     fair_quantum_bytes: int = 4 * MiB
     # An access may match one of the next `divergence_window` trace entries
     # (skipping the ones before it); this many unexpected accesses in a row, or a
-    # step ending with this many entries left, mean the order changed.
+    # step ending with this many entries left, mean the order changed; so do this
+    # many (or an eighth of the trace) tensors off the trace in two steps running.
     divergence_window: int = 4
     # Read bandwidth: an EWMA over samples of bytes read per second of engine
     # busy time. A sample closes when the engine goes idle after at least

@@ -215,6 +215,59 @@ def test_step_ending_well_before_the_trace_does_is_a_changed_order() -> None:
     assert client(sched)["totals"]["divergences"] == 1
 
 
+def test_new_tensors_read_between_traced_ones_step_after_step_are_learnt() -> None:
+    # Never `window` misses in a row: only the same tensors off the trace two steps running
+    # show that the order changed.
+    sched = scheduler(lookahead_max_fraction=1.0, divergence_window=4)
+    traced = keys(16)
+    extra = [k(100 + i) for i in range(16)]
+    interleaved = [key for pair in zip(extra, traced) for key in pair]
+    end = run_step(sched, traced, start_s=0.0)
+    end = run_step(sched, interleaved, start_s=end)
+    assert client(sched)["last_step"]["outcome"] == "replayed"  # could be a one-off detour
+    end = run_step(sched, interleaved, start_s=end)
+    assert client(sched)["last_step"]["outcome"] == "diverged"
+    end = run_step(sched, interleaved, start_s=end)
+    assert client(sched)["last_step"]["outcome"] == "recorded"
+    sched.step_begin(TRAINER, end)
+    sched.touched(TRAINER, interleaved[0], MiB, end + 0.01)
+    assert sched.plan_prefetch()[:2] == interleaved[1:3]  # the new tensors are prefetched too
+
+
+def test_traced_tensors_no_longer_read_two_steps_running_make_the_trace_record_again() -> None:
+    sched = scheduler(divergence_window=4)
+    traced = keys(16)
+    end = run_step(sched, traced, start_s=0.0)
+    end = run_step(sched, traced[::2], start_s=end)  # every other one skipped, within the window
+    assert client(sched)["last_step"]["outcome"] == "replayed"
+    run_step(sched, traced[::2], start_s=end)
+    assert client(sched)["last_step"]["outcome"] == "diverged"
+    assert client(sched)["totals"]["divergences"] == 1
+
+
+def test_tensors_named_anew_every_step_do_not_make_the_trace_record_again() -> None:
+    sched = scheduler(divergence_window=4)
+    traced = keys(16)
+    end = run_step(sched, traced, start_s=0.0)
+    for step in range(1, 5):
+        fresh = [k(1000 * step + i) for i in range(16)]  # a batch's tensors, new names each step
+        end = run_step(sched, [key for pair in zip(fresh, traced) for key in pair], start_s=end)
+        assert client(sched)["last_step"]["outcome"] == "replayed"
+    assert client(sched)["totals"]["divergences"] == 0
+
+
+def test_a_one_step_detour_keeps_the_trace() -> None:
+    sched = scheduler(divergence_window=4)
+    traced = keys(16)
+    extra = [k(100 + i) for i in range(16)]
+    end = run_step(sched, traced, start_s=0.0)
+    end = run_step(sched, [key for pair in zip(extra, traced) for key in pair], start_s=end)
+    end = run_step(sched, traced, start_s=end)
+    run_step(sched, [key for pair in zip(extra, traced) for key in pair], start_s=end)
+    assert client(sched)["last_step"]["outcome"] == "replayed"
+    assert client(sched)["totals"]["divergences"] == 0
+
+
 # --- eviction -------------------------------------------------------------------------------
 
 

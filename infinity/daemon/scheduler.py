@@ -126,6 +126,7 @@ class _Stream:
     trace: Trace | None = None
     replay: Replay | None = None
     recorder: Recorder | None = None
+    off_trace_before: frozenset[TensorKey] = frozenset()  # the last replayed step's (`Replay`)
     step_started_s: float | None = None
     step_ended_s: float | None = None
     step_gap_s: float | None = None  # measured between the last step's end and this step's start
@@ -469,6 +470,7 @@ class Scheduler:
             if trace is not None:
                 self._drop_index(s)
                 s.trace = trace
+                s.off_trace_before = frozenset()
                 s.epoch = 0
                 s.add("traces_recorded")
                 updated = True
@@ -478,7 +480,8 @@ class Scheduler:
         else:
             replay = s.replay
             assert replay is not None
-            if replay.followed():
+            off_trace_before, s.off_trace_before = s.off_trace_before, frozenset(replay.off_trace)
+            if replay.followed(off_trace_before=off_trace_before):
                 # Same order: keep it, and let its timing follow this step's (same entries, so the
                 # index stays valid but for the few entries the step ended without touching).
                 s.trace = replay.trace.refreshed(replay.measured_gaps_s,

@@ -227,10 +227,16 @@ class Replay:
     one of the next `window` entries moves the cursor past it; `window`
     unexpected accesses in a row mean the order changed (diverged) and the
     trace is not used for the rest of the step.
+
+    A change that never makes `window` misses in a row (a new tensor read
+    between every two traced ones, every other traced tensor no longer read)
+    shows as the same tensors off the trace step after step: `off_trace`
+    collects the keys of this step's unexpected accesses and skipped entries,
+    and `followed` compares them with the step before's.
     """
 
     __slots__ = ("trace", "window", "position", "unexpected_run", "diverged", "skipped",
-                 "unexpected", "measured_gaps_s")
+                 "unexpected", "measured_gaps_s", "off_trace")
 
     def __init__(self, trace: Trace, *, window: int) -> None:
         self.trace = trace
@@ -241,6 +247,12 @@ class Replay:
         self.skipped = 0
         self.unexpected = 0
         self.measured_gaps_s: list[float | None] = [None] * len(trace)
+        self.off_trace: set[TensorKey] = set()
+
+    def _off_trace(self, key: TensorKey) -> None:
+        # Bounded: past this many, the step is far enough off for any comparison.
+        if len(self.off_trace) < 2 * len(self.trace) + self.window:
+            self.off_trace.add(key)
 
     @property
     def on_track(self) -> bool:
@@ -256,6 +268,8 @@ class Replay:
             if entries[index].key == key:
                 skipped = index - self.position
                 self.skipped += skipped
+                for passed in range(self.position, index):
+                    self._off_trace(entries[passed].key)
                 # After a skip or an unexpected access the gap measures more than this entry's compute.
                 if skipped == 0 and self.unexpected_run == 0:
                     self.measured_gaps_s[index] = max(0.0, gap_s)
@@ -267,16 +281,30 @@ class Replay:
                 return Match.RETOUCH
         self.unexpected += 1
         self.unexpected_run += 1
+        self._off_trace(key)
         if self.unexpected_run >= self.window:
             self.diverged = True
             return Match.DIVERGED
         return Match.UNEXPECTED
 
-    def followed(self) -> bool:
+    def followed(self, *, off_trace_before: frozenset[TensorKey] = frozenset()) -> bool:
         """At the step's end: did the step follow the trace (up to the tolerance)?
 
         Ending with more than the window's worth of the trace left, or on
-        unmatched accesses, is a changed order too.
+        unmatched accesses, is a changed order too; so is a step in which
+        `recurring_off_trace_limit()` or more of the tensors off the trace were
+        off it in the step before too (`off_trace_before`, that step's
+        `off_trace`): a change that lasts, not a one-off detour or tensors
+        named anew every step, which recording again would not help.
         """
         remaining = len(self.trace) - self.position
-        return not self.diverged and self.unexpected_run == 0 and remaining < self.window
+        if self.diverged or self.unexpected_run or remaining >= self.window:
+            return False
+        if len(self.off_trace) < self.recurring_off_trace_limit() or not off_trace_before:
+            return True
+        return len(self.off_trace & off_trace_before) < self.recurring_off_trace_limit()
+
+    def recurring_off_trace_limit(self) -> int:
+        """How many tensors off the trace in two steps running mean its order changed: an
+        eighth of the trace, and at least the window."""
+        return max(self.window, len(self.trace) // 8)
