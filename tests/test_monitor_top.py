@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -102,3 +106,40 @@ def test_stopping_the_collector_does_not_wait_for_a_hung_daemon(daemon: Any) -> 
         assert time.monotonic() - started < STOP_WAIT_S + 2  # not the 30 s a poll may wait
     finally:
         daemon.process.send_signal(signal.SIGCONT)
+
+
+def _start_top(config: Any, *flags: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "from infinity.monitor.top import main; raise SystemExit(main())",
+                             *flags, *settings_as_flags(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _read_until(top: subprocess.Popen[bytes], text: bytes, count: int, timeout_s: float = 30.0) -> bytes:
+    """What top printed until `text` showed `count` times (or the time ran out)."""
+    assert top.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + timeout_s
+    while seen.count(text) < count and time.monotonic() < deadline:
+        if select.select([top.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(top.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+def test_into_a_pipe_it_prints_a_snapshot_per_interval_until_interrupted(daemon: Any) -> None:
+    top = _start_top(daemon.config, "--interval-s", "0.05")
+    printed = _read_until(top, b"tiers", 2)  # a full-screen display would print nothing here
+    top.send_signal(signal.SIGINT)
+    _, stderr = top.communicate(timeout=30)
+    assert printed.count(b"tiers") >= 2 and top.returncode == 0, stderr
+
+
+def test_a_reader_that_stops_reading_ends_it_quietly(daemon: Any) -> None:
+    top = _start_top(daemon.config, "--interval-s", "0.05")
+    assert top.stdout is not None and top.stderr is not None
+    assert b"tiers" in _read_until(top, b"tiers", 1)
+    top.stdout.close()  # as `infinity-top | head -1` does
+    assert top.wait(timeout=30) == 0
+    assert top.stderr.read() == b""

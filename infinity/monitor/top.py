@@ -7,8 +7,10 @@ never freezes the screen; a missing value is shown as "-".
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -118,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
-    parser.add_argument("--interval-s", type=_positive_seconds, default=1.0)
+    parser.add_argument("--interval-s", type=_positive_seconds, default=1.0,
+                        help="between snapshots; where the output is not a terminal, each one is "
+                             "printed below the last")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, overrides=args.overrides)
@@ -135,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if snapshot.error else 0
     collector.start()
     try:
+        if not sys.stdout.isatty():
+            return _print_snapshots(collector, interval_s=args.interval_s)
         with Live(render(collector.wait_first(5.0)), refresh_per_second=4, screen=True) as live:
             while True:
                 time.sleep(args.interval_s / 4)
@@ -143,3 +149,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         collector.stop()
+
+
+def _print_snapshots(collector: StatsCollector, *, interval_s: float) -> int:
+    """Output to a pipe or a file: a full-screen display shows nothing there, so each new
+    snapshot is printed below the last, once per interval, as `top -b` does."""
+    snapshot = collector.wait_first(5.0)
+    try:
+        while True:
+            # Drawn into a string first: rich handles a closed pipe itself, by exiting with 1.
+            text = io.StringIO()
+            Console(file=text, width=120).print(render(snapshot))
+            sys.stdout.write(text.getvalue())
+            sys.stdout.flush()
+            time.sleep(interval_s)
+            snapshot = collector.latest()
+    except BrokenPipeError:  # the reader stopped reading (`infinity-top | head`): done
+        # Python flushes stdout again at exit; on the closed pipe that would print an error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
