@@ -23,8 +23,19 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["io"]["verified"] is True and report["io"]["tensors"] == 2
-    assert report["daemon"] == {"tensors": 37, "bit_exact": True, "zero_copy": True}
+    assert report["daemon"] == {"tensors": 37, "bit_exact": True, "zero_copy": True,
+                                "cpu_budget_bytes": 512 << 20}  # the demo's, smaller than the default
     assert not RuntimeLayout(os.path.join(disk_tmp, "run")).daemon_running()  # the demo stopped it
+
+
+def test_demo_keeps_a_cpu_tier_the_user_set(disk_tmp: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp, "--io-bytes", str(64 << 20),
+         "--set", f"cpu.budget_bytes={134 << 20}", "--set", f"cpu.segment_bytes={32 << 20}"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "HOME": disk_tmp, "INFINITY_CONFIG": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["daemon"]["cpu_budget_bytes"] == 134 << 20
 
 
 def test_demo_refuses_a_store_folder_it_did_not_make_and_leaves_it_alone(disk_tmp: str) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from infinity.config import load_config
 
@@ -74,6 +77,13 @@ def test_tune_refuses_a_missing_directory(disk_tmp: str) -> None:
     result = infinity_cli("tune", "--quick", "--dry-run", str(Path(disk_tmp) / "absent"))
     assert result.returncode == 2
     assert "not a directory" in result.stderr
+
+
+@pytest.mark.parametrize("size", ["1000", str((64 << 20) - 1), "64MiB"])
+def test_tune_refuses_a_probe_size_it_cannot_move_with_a_usage_error(disk_tmp: str, size: str) -> None:
+    result = infinity_cli("tune", "--quick", "--file-bytes", size, disk_tmp)
+    assert result.returncode == 2 and "--file-bytes" in result.stderr
+    assert os.listdir(disk_tmp) == []  # nothing probed
 
 
 def test_tune_of_a_folder_where_no_file_can_be_made_says_so() -> None:

@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from infinity.cli.main import DEMO_TENSOR_BYTES
 from infinity.config import InfinityConfig, MiB, load_config
 from infinity.errors import StoreDirectoryError
 from infinity.io import IOEngine, aligned_empty
@@ -29,7 +30,7 @@ from infinity.protocol.paths import RuntimeLayout
 from infinity.store.durable import LOCK_FILE_NAME
 from infinity.store.nvme import NvmeTier
 
-TENSOR_BYTES = 64 * MiB
+TENSOR_BYTES = DEMO_TENSOR_BYTES
 
 
 def _progress(console: Console) -> Progress:

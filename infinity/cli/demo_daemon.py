@@ -19,10 +19,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from infinity.config import InfinityConfig, MiB
+from infinity.config import CpuTierConfig, InfinityConfig, MiB
 
 LAYERS = 12
 HIDDEN = 1000  # odd sizes on purpose: nothing here is a multiple of 4 KiB
+DEMO_CPU_BUDGET_BYTES = 512 * MiB
+DEMO_SEGMENT_BYTES = 64 * MiB
 
 
 def model_weights() -> dict[str, torch.Tensor]:
@@ -61,11 +63,19 @@ def daemon_part(config: InfinityConfig, runtime_dir: Path, console: Console) -> 
     import infinity
     from infinity.client.launch import settings_as_flags
 
+    # A smaller CPU tier than the default (faster to prefault, fits a small machine), where the
+    # settings leave it at the default: one set by flag, variable or file is the user's choice.
+    defaults = CpuTierConfig()
+    cpu = dataclasses.replace(
+        config.cpu,
+        budget_bytes=(DEMO_CPU_BUDGET_BYTES if config.cpu.budget_bytes == defaults.budget_bytes
+                      else config.cpu.budget_bytes),
+        segment_bytes=(min(DEMO_SEGMENT_BYTES, config.cpu.budget_bytes, DEMO_CPU_BUDGET_BYTES)
+                       if config.cpu.segment_bytes == defaults.segment_bytes
+                       else config.cpu.segment_bytes))
+    cpu.validate()
     config = dataclasses.replace(
-        config,
-        daemon=dataclasses.replace(config.daemon, runtime_dir=str(runtime_dir)),
-        cpu=dataclasses.replace(config.cpu, budget_bytes=512 * MiB, segment_bytes=64 * MiB),
-    )
+        config, daemon=dataclasses.replace(config.daemon, runtime_dir=str(runtime_dir)), cpu=cpu)
     weights = model_weights()
     console.print(f"starting infinityd in {runtime_dir}")
     client = infinity.connect(config=config, start=True, name="demo-writer")
@@ -101,7 +111,8 @@ def daemon_part(config: InfinityConfig, runtime_dir: Path, console: Console) -> 
         console.print(table)
         if not bit_exact or not seen["in_shared_memory"]:
             raise RuntimeError("the reader saw different bytes than were written")
-        return {"tensors": len(weights), "bit_exact": bit_exact, "zero_copy": seen["in_shared_memory"]}
+        return {"tensors": len(weights), "bit_exact": bit_exact, "zero_copy": seen["in_shared_memory"],
+                "cpu_budget_bytes": cpu.get("budget_bytes")}
     finally:
         client.shutdown_daemon()
         client.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from infinity.errors import InfinityError
 
@@ -14,6 +14,25 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         "~/.config/infinity/infinity.toml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="override one setting, e.g. --set io.queue_depth=64 (repeatable)")
+
+
+def _bytes_at_least(minimum: int, why: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of bytes, at least `minimum` (`why` says why)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum} ({why})")
+        return value
+    return parse
+
+
+# The sizes the tune probe and the demo's I/O part move data in (their modules import torch,
+# which this parser does not wait for).
+TUNE_OP_BYTES = 64 << 20
+DEMO_TENSOR_BYTES = 64 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="sweep I/O settings on a directory and write the best into [io]")
     _add_config_flags(tune)
     tune.add_argument("dir", help="a directory on the drive to tune for")
-    tune.add_argument("--file-bytes", type=int, default=256 << 20,
-                      help="bytes moved per setting tried (default 256 MiB)")
+    tune.add_argument("--file-bytes", type=_bytes_at_least(TUNE_OP_BYTES, "one 64 MiB probe op"),
+                      default=256 << 20, help="bytes moved per setting tried (default 256 MiB, "
+                      "at least 64 MiB)")
     tune.add_argument("--quick", action="store_true", help="try only a few settings (for tests)")
     tune.add_argument("--dry-run", action="store_true", help="print the best settings, write nothing")
 
@@ -37,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(demo)
     demo.add_argument("--dir", default=".infinity-demo",
                       help="folder for the demo's store and runtime files (default ./.infinity-demo)")
-    demo.add_argument("--io-bytes", type=int, default=1 << 30,
-                      help="bytes the I/O part writes and reads back (default 1 GiB)")
+    demo.add_argument("--io-bytes", type=_bytes_at_least(DEMO_TENSOR_BYTES, "one 64 MiB tensor"),
+                      default=1 << 30, help="bytes the I/O part writes and reads back (default "
+                      "1 GiB, at least 64 MiB)")
 
     verify = sub.add_parser("verify", help="check every flushed tensor's checksums (offline: stop "
                             "infinityd first); exit status 1 if any is corrupted")

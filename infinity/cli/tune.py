@@ -21,11 +21,12 @@ from pathlib import Path
 
 import tomlkit
 
+from infinity.cli.main import TUNE_OP_BYTES
 from infinity.config import USER_CONFIG_PATH, IOConfig, MiB, find_config_path, load_config
 from infinity.errors import ConfigError, StoreDirectoryError
 from infinity.io import IOEngine, IOOp, aligned_empty
 
-OP_BYTES = 64 * MiB
+OP_BYTES = TUNE_OP_BYTES
 
 
 @dataclass(frozen=True)
