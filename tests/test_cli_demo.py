@@ -3,6 +3,7 @@
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,10 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["io"]["verified"] is True and report["io"]["tensors"] == 2
+    # The progress bars show the speeds the report gives (the disk's, not the bars' pace).
+    shown = [float(x) for x in re.findall(r"disk (\d+\.\d+) GB/s", result.stderr)]
+    for key in ("write_gbps", "read_gbps"):
+        assert any(abs(speed - report["io"][key]) <= 0.006 for speed in shown), (key, shown)
     assert report["daemon"] == {"tensors": 37, "bit_exact": True, "zero_copy": True,
                                 "cpu_budget_bytes": 512 << 20}  # the demo's, smaller than the default
     assert not RuntimeLayout(os.path.join(disk_tmp, "run")).daemon_running()  # the demo stopped it
