@@ -52,7 +52,7 @@ def cli() -> Iterator[Cli]:
         yield runner
     finally:
         if RuntimeLayout(runner.config.daemon.runtime_dir).daemon_running():
-            runner("stop")
+            runner("stop", "--force")
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -66,6 +66,20 @@ def test_start_returns_once_the_daemon_answers_and_stop_shuts_it_down(cli: Cli) 
     assert stopped.returncode == 0, stopped.stderr
     assert not layout.daemon_running()
     assert not os.path.exists(layout.control_path) and not os.path.exists(layout.pid_path)
+
+
+def test_stop_refuses_while_a_client_is_attached_and_names_it(cli: Cli) -> None:
+    assert cli("start").returncode == 0
+    with infinity.connect(config=cli.config, name="trainer-7") as client:
+        client.put("x", torch.ones(3))
+        refused = cli("stop")
+        assert refused.returncode == 4 and "trainer-7" in refused.stderr and "--force" in refused.stderr
+        assert RuntimeLayout(cli.config.daemon.runtime_dir).daemon_running()
+        with client.get("x") as x:  # the client goes on as if nothing happened
+            assert torch.equal(x, torch.ones(3))
+        forced = cli("stop", "--force")
+        assert forced.returncode == 0, forced.stderr
+    assert not RuntimeLayout(cli.config.daemon.runtime_dir).daemon_running()
 
 
 def test_start_when_already_running_says_so_and_succeeds(cli: Cli) -> None:

@@ -2,11 +2,12 @@
 
     infinityd run    [--config PATH] [--set table.key=value ...]   serve here, logs on stderr
     infinityd start  [...]   serve in the background; returns once the daemon answers
-    infinityd stop   [...]   clean shutdown (leases dropped, memory returned)
+    infinityd stop   [...] [--force]   clean shutdown (leases dropped, memory returned);
+                             refused while clients are attached, unless --force
     infinityd status [...] [--json]   version, tiers, clients
 
 Settings come only from `infinity.config.load_config`. Exit status: 0 done,
-1 error, 3 `status`/`stop` found no daemon.
+1 error, 3 `status`/`stop` found no daemon, 4 `stop` refused (clients attached).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from infinity.errors import DaemonUnavailableError, InfinityError
 from infinity.protocol.paths import RuntimeLayout
 
 NOT_RUNNING = 3
+STOP_REFUSED = 4
 
 
 def _run(config: InfinityConfig, args: argparse.Namespace) -> int:
@@ -91,6 +93,10 @@ def _stop(config: InfinityConfig, args: argparse.Namespace) -> int:
         print(f"infinityd is not running at {layout.root}")
         return NOT_RUNNING
     pid = layout.read_pid()
+    refusal = None if args.force else _clients_attached(config)
+    if refusal is not None:
+        print(f"infinityd stop: {refusal}", file=sys.stderr)
+        return STOP_REFUSED
     try:
         shutdown_daemon(config)
     except DaemonUnavailableError:
@@ -102,6 +108,27 @@ def _stop(config: InfinityConfig, args: argparse.Namespace) -> int:
                                      f"{config.daemon.start_timeout_s:g}s; kill it with kill -9 {pid}")
     print(f"infinityd stopped{f' (pid {pid})' if pid else ''}")
     return 0
+
+
+def _clients_attached(config: InfinityConfig) -> str | None:
+    """Why not to stop now, or None. Stopping drops every client's session, leases and
+    unflushed tensors: a trainer still running would fail. So `stop` names the clients attached
+    and stops only with --force. (One that connects between this check and the stop is
+    dropped all the same.)"""
+    from infinity.client.admin import daemon_stats
+
+    try:
+        clients = daemon_stats(config)["clients"]
+    except DaemonUnavailableError:
+        return None  # it does not answer: `stop` signals it, as before
+    others = [c for c in clients if c.get("pid") != os.getpid()]
+    if others:
+        names = ", ".join(f"{c.get('name')} (pid {c.get('pid')})" for c in others[:5])
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        return (f"{len(others)} client(s) attached: {names}{more}; stopping would drop their "
+                f"sessions and leases. Stop them first (flush what you want to keep), or pass "
+                f"--force")
+    return None
 
 
 def _human_bytes(n: int) -> str:
@@ -167,7 +194,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     commands.add_parser("start", parents=[common],
                         help="serve in the background; returns once the daemon answers")
-    commands.add_parser("stop", parents=[common], help="stop the daemon cleanly")
+    stop = commands.add_parser("stop", parents=[common],
+                               help="stop the daemon cleanly (refused while clients are attached)")
+    stop.add_argument("--force", action="store_true",
+                      help="stop even while clients are attached (their sessions are dropped)")
     status = commands.add_parser("status", parents=[common], help="version, tiers and clients")
     status.add_argument("--json", action="store_true", help="print the full stats as JSON")
     return parser
