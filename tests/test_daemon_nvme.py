@@ -547,6 +547,43 @@ def test_a_delete_served_while_its_flush_is_writing_still_wins_after_a_restart(
         assert not client.exists("racy")
 
 
+def test_a_durable_commit_overtaken_by_a_newer_one_is_answered_only_once_that_one_is_durable(
+        store: Store) -> None:
+    # A's 48 MiB version is written back long after B's newer 4 KiB one, whose index update
+    # thus goes first and makes A's unnecessary. While the index cannot commit B's (this test
+    # holds its write lock, as another process could), A is not durable: a crash would bring
+    # back the version before both. So A must not be answered until B's update commits.
+    daemon = store.start(**{"cpu.budget_bytes": 256 * MiB, "cpu.segment_bytes": 64 * MiB})
+    with daemon.connect("a") as a, daemon.connect("b") as b, daemon.connect("watcher") as watcher:
+        a.put("x", pattern(1, 4096), durable=True)
+        a.reserve({"x": (torch.uint8, (48 * MiB,))})["x"].copy_(pattern(2, 48 * MiB))
+        b.reserve({"x": (torch.uint8, (4096,))})["x"].copy_(pattern(3, 4096))
+        index = sqlite3.connect(os.path.join(store.dir, "infinity-index.sqlite"),
+                                isolation_level=None)
+        index.execute("BEGIN IMMEDIATE")  # the daemon's index writer now waits (up to 5 s)
+        ref = (wire.TensorRef("default", "x"),)
+        a_channel, b_channel = a._channel(), b._channel()
+        a_commit, a_after, b_commit = (next(a._request_ids), next(a._request_ids),
+                                       next(b._request_ids))
+        a_channel.send(a_commit, wire.CommitDurable(ref), expect_reply=True)
+        a_channel.send(a_after, wire.Exists(ref), expect_reply=True)  # in order on one socket:
+        a_channel.wait(a_after, what="exists")  # once answered, A's version is published
+        b_channel.send(b_commit, wire.CommitDurable(ref), expect_reply=True)
+        wait_until(lambda: tier_counters(watcher)["writeback_bytes"] >= 48 * MiB, timeout_s=20,
+                   what="A's version to be written back")
+        answered_early = a_channel.sock.poll(1000) != 0
+        index.execute("ROLLBACK")
+        assert a_channel.wait(a_commit, what="commit", patient=True).results[0] is not None
+        assert b_channel.wait(b_commit, what="commit", patient=True).results[0] is not None
+        assert not answered_early
+        index.close()
+    daemon.process.kill()
+    daemon.process.wait()
+    daemon = store.start()
+    with daemon.connect() as client, client.get("x") as x:
+        assert same_bytes(x, pattern(3, 4096))
+
+
 def test_a_daemon_without_nvme_refuses_durable_writes_with_advice(client: Any) -> None:
     with pytest.raises(InvalidRequestError, match="nvme.dirs"):
         client.put("x", torch.ones(3), durable=True)

@@ -230,6 +230,9 @@ class TierManager:
         self._write_behind_bytes = 0  # bytes being written back ahead of need
         self._disk_growth: dict[int, list[Callback]] = {}
         self._indexed: dict[Key, DiskCopy] = {}  # what the committed index says, name by name
+        # Flushes overtaken by a newer transaction about their name, still on its way to the
+        # index: each learns that transaction's outcome (`_index_done`).
+        self._index_waiters: dict[Key, list[Callable[[InfinityError | None], None]]] = {}
         # (version stamp, edits) of the last index update issued per name; a delete takes a
         # fresh stamp, so it orders after every version before it.
         self._index_issued: dict[Key, tuple[int, int]] = {}
@@ -1017,16 +1020,21 @@ class TierManager:
                 del self._flushing[version.key]
         records: list[DurableRecord] = []
         published: list[tuple[int, Key, DiskCopy, int]] = []
+        overtaken: list[tuple[int, Key]] = []
         for i, version, copy in job.ready:
             key = version.key
             order = (version.stamp, copy.edits)
             if self._index_issued.get(key, (0, 0)) > order:
                 # A newer version's update, a copy of this version written in place since, or a
                 # delete went to the index after this was asked for: writing this one now would
-                # take the name back in time.
+                # take the name back in time. This one is durable once that one is: while it is
+                # still on its way to the index, the answer waits for it.
                 copy.publishing -= 1
                 self._release_copy(copy)
-                self._forget_order(key)
+                if key in self._index_pending:
+                    overtaken.append((i, key))
+                else:
+                    self._forget_order(key)
                 continue
             self._index_issued[key] = order
             self._index_pending[key] = self._index_pending.get(key, 0) + 1
@@ -1034,24 +1042,41 @@ class TierManager:
             published.append((i, key, copy, version.nbytes))
         for version in job.versions:
             self._forget_order(version.key)
-        if not records:
+        left = len(overtaken) + bool(records)
+        if not left:
             job.done(job.errors)
+            return
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                job.done(job.errors)
+
+        for i, key in overtaken:
+            def settled(error: InfinityError | None, i: int = i) -> None:
+                if error is not None:
+                    job.errors[i] = error
+                one_done()
+            self._index_waiters.setdefault(key, []).append(settled)
+        if not records:
             return
         assert self.index is not None
         try:
-            self.index.publish(records, on_done=lambda f: self._flush_committed(job, published, f))
+            self.index.publish(records, on_done=lambda f: self._flush_committed(
+                job, published, f, finish=one_done))
         except InfinityError as exc:
-            self._flush_committed(job, published, None, exc)
+            self._flush_committed(job, published, None, exc, finish=one_done)
 
     def _flush_committed(self, job: _Flush, published: list[tuple[int, Key, DiskCopy, int]],
-                         future: Future[None] | None, failure: InfinityError | None = None) -> None:
+                         future: Future[None] | None, failure: InfinityError | None = None, *,
+                         finish: Callable[[], None]) -> None:
         error = failure
         if future is not None:
             exc = future.exception()
             error = exc if isinstance(exc, InfinityError) or exc is None else StoreDirectoryError(
                 f"the store index failed ({type(exc).__name__}: {exc}); see infinityd's log")
         for i, key, copy, nbytes in published:
-            self._index_done(key)
             copy.publishing -= 1
             if error is None:
                 old = self._indexed.get(key)
@@ -1070,14 +1095,20 @@ class TierManager:
         else:
             self.counters.flush_failures += 1
             log.error("flush failed: %s", error)
-        job.done(job.errors)
+        for _, key, _, _ in published:
+            self._index_done(key, error)
+        finish()
 
-    def _index_done(self, key: Key) -> None:
+    def _index_done(self, key: Key, error: InfinityError | None) -> None:
+        """One index transaction about `key` ended (transactions end in the order they were
+        issued); once none is left, the flushes it overtook learn how the last one went."""
         left = self._index_pending[key] - 1
         if left:
             self._index_pending[key] = left
-        else:
-            del self._index_pending[key]
+            return
+        del self._index_pending[key]
+        for settled in self._index_waiters.pop(key, ()):
+            settled(error)
 
     def _forget_order(self, key: Key) -> None:
         """Drop a name's index ordering once nothing about it is indexed, pending or coming
@@ -1100,7 +1131,6 @@ class TierManager:
         self._index_pending[key] = self._index_pending.get(key, 0) + 1
 
         def removed(future: Future[None]) -> None:
-            self._index_done(key)
             exc = future.exception()
             error = exc if isinstance(exc, InfinityError) or exc is None else StoreDirectoryError(
                 f"the store index failed ({type(exc).__name__}: {exc}); see infinityd's log")
@@ -1110,6 +1140,7 @@ class TierManager:
                 if old is not None:
                     old.indexed = False
                     self._release_copy(old)
+            self._index_done(key, error)
             self._forget_order(key)
             done(error)
 
