@@ -178,6 +178,24 @@ def test_a_full_tier_takes_back_the_clients_spares_before_refusing_a_reserve(
         client.close()
 
 
+def test_a_get_of_a_tensor_larger_than_a_segment_takes_back_the_clients_spares_first(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    # 48 MiB in 16 MiB segments behind NVMe: "big" (34 MiB) needs a segment of its own, made by
+    # emptying standard ones, and the spares of s1 and s2 sit in those; nothing is leased.
+    daemon = daemon_factory(nvme_tier=True, **{"cpu.budget_bytes": 48 * MiB,
+                                                "cpu.segment_bytes": 16 * MiB,
+                                                "cpu.spare_fraction": 0.5})
+    with daemon.connect("t") as client:
+        big = torch.full((34 * MiB,), 7, dtype=torch.uint8)
+        client.put("big", big)
+        for name in ("s1", "s2"):
+            put_twice(client, name, torch.full((6 * MiB,), 3, dtype=torch.uint8))
+        assert spares(client)[0] == 2
+        assert {i.name: i.tier for i in client.list()}["big"] == "nvme"
+        with client.get("big") as view:
+            assert torch.equal(view, big)
+
+
 def test_small_spares_are_charged_whole_4kib_slices(daemon_factory: Callable[..., RunningDaemon]) -> None:
     # 64 MiB x 0.001 = 67,108 bytes of spares: sixteen 4 KiB slices, whatever the tensors' size.
     client = daemon_factory(**{"cpu.spare_fraction": 0.001}).connect("t")

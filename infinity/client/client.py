@@ -452,6 +452,19 @@ class Client:
         return [(str(name), int(nbytes)) for name, nbytes in upcoming]
 
     def _lease(self, request: wire.Get, *, exclusive: bool, single: bool) -> Lease:
+        try:
+            return self._lease_once(request, exclusive=exclusive, single=single)
+        except TierFullError:
+            if not self._spares:
+                raise
+            # The spares this client's puts left take room in the tier, in segments a tensor
+            # larger than a segment would need emptied: give them back and ask once more, as
+            # `reserve` does (a spare is only a shortcut for a later put). What the first try
+            # leased went back with its failure; the release rides with the retry.
+            self._drop_all_spares()
+            return self._lease_once(request, exclusive=exclusive, single=single)
+
+    def _lease_once(self, request: wire.Get, *, exclusive: bool, single: bool) -> Lease:
         self._check_usable()
         assert self._segments is not None
         channel = self._channel()

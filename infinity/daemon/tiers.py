@@ -395,8 +395,9 @@ class TierManager:
                     f"{what} needs {nbytes} bytes, more than a CPU-tier segment "
                     f"(cpu.segment_bytes={self.arena.config.segment_bytes}), so it needs a "
                     f"segment of its own, and every segment that would make the budget for one "
-                    f"holds a leased or busy slice; release leases, or raise cpu.budget_bytes "
-                    f"or cpu.segment_bytes")
+                    f"holds a leased or busy slice, or a spare that a client keeps for its next "
+                    f"put (given back unused after daemon.client_timeout_s / 2); release leases, "
+                    f"or raise cpu.budget_bytes or cpu.segment_bytes")
             raise self._tier_full(nbytes, what)
 
     def _start_growth(self, shortage: SpaceShortage) -> bool:
