@@ -75,3 +75,12 @@ def test_demo_leaves_its_store_alone_while_a_daemon_still_serves_it(disk_tmp: st
         os.close(lock)
     assert result.returncode == 2 and "still serves" in result.stderr
     assert os.path.getsize(os.path.join(store, "infinity-extents.dat")) == 4096
+
+
+def test_the_demos_smaller_tier_never_falls_below_a_segment_the_user_set() -> None:
+    from infinity.cli.demo_daemon import demo_cpu_tier
+    from infinity.config import CpuTierConfig
+
+    assert demo_cpu_tier(CpuTierConfig()) == CpuTierConfig(budget_bytes=512 << 20, segment_bytes=64 << 20)
+    big_segments = demo_cpu_tier(CpuTierConfig(segment_bytes=1 << 30))
+    assert big_segments.segment_bytes == 1 << 30 and big_segments.budget_bytes == 1 << 30

@@ -82,6 +82,13 @@ def test_stop_refuses_while_a_client_is_attached_and_names_it(cli: Cli) -> None:
     assert not RuntimeLayout(cli.config.daemon.runtime_dir).daemon_running()
 
 
+def test_stop_does_not_count_a_monitor_as_a_client_attached(cli: Cli) -> None:
+    assert cli("start").returncode == 0
+    with infinity.connect(config=cli.config, name="infinity-top"):  # as each of its polls does
+        stopped = cli("stop")
+    assert stopped.returncode == 0, stopped.stderr
+
+
 def test_start_when_already_running_says_so_and_succeeds(cli: Cli) -> None:
     assert cli("start").returncode == 0
     again = cli("start")

@@ -256,6 +256,18 @@ def test_tensors_named_anew_every_step_do_not_make_the_trace_record_again() -> N
     assert client(sched)["totals"]["divergences"] == 0
 
 
+def test_neighbours_read_swapped_every_step_keep_the_trace() -> None:
+    # Each skipped entry is read a moment later (several threads of one client, say): swapped
+    # within the window, not off the trace, however often it recurs.
+    sched = scheduler(divergence_window=4)
+    traced = keys(64)
+    swapped = [key for pair in zip(traced[1::2], traced[0::2]) for key in pair]
+    end = run_step(sched, traced, start_s=0.0)
+    for _ in range(4):
+        end = run_step(sched, swapped, start_s=end)
+        assert client(sched)["last_step"]["outcome"] == "replayed"
+
+
 def test_a_one_step_detour_keeps_the_trace() -> None:
     sched = scheduler(divergence_window=4)
     traced = keys(16)

@@ -57,25 +57,30 @@ READER = textwrap.dedent("""
 """)
 
 
+def demo_cpu_tier(cpu: CpuTierConfig) -> CpuTierConfig:
+    """The demo's CPU tier: smaller than the default (faster to prefault, fits a small
+    machine) where the settings leave it at the default; one set by flag, variable or file is
+    the user's choice, and the demo's budget is never below the user's segment."""
+    defaults = CpuTierConfig()
+    tier = dataclasses.replace(
+        cpu,
+        budget_bytes=(max(DEMO_CPU_BUDGET_BYTES, cpu.segment_bytes)
+                      if cpu.budget_bytes == defaults.budget_bytes else cpu.budget_bytes),
+        segment_bytes=(min(DEMO_SEGMENT_BYTES, cpu.budget_bytes, DEMO_CPU_BUDGET_BYTES)
+                       if cpu.segment_bytes == defaults.segment_bytes else cpu.segment_bytes))
+    tier.validate()
+    return tier
+
+
 def daemon_part(config: InfinityConfig, runtime_dir: Path, console: Console) -> dict[str, object]:
     import zlib
 
     import infinity
     from infinity.client.launch import settings_as_flags
 
-    # A smaller CPU tier than the default (faster to prefault, fits a small machine), where the
-    # settings leave it at the default: one set by flag, variable or file is the user's choice.
-    defaults = CpuTierConfig()
-    cpu = dataclasses.replace(
-        config.cpu,
-        budget_bytes=(DEMO_CPU_BUDGET_BYTES if config.cpu.budget_bytes == defaults.budget_bytes
-                      else config.cpu.budget_bytes),
-        segment_bytes=(min(DEMO_SEGMENT_BYTES, config.cpu.budget_bytes, DEMO_CPU_BUDGET_BYTES)
-                       if config.cpu.segment_bytes == defaults.segment_bytes
-                       else config.cpu.segment_bytes))
-    cpu.validate()
+    tier = demo_cpu_tier(config.cpu)
     config = dataclasses.replace(
-        config, daemon=dataclasses.replace(config.daemon, runtime_dir=str(runtime_dir)), cpu=cpu)
+        config, daemon=dataclasses.replace(config.daemon, runtime_dir=str(runtime_dir)), cpu=tier)
     weights = model_weights()
     console.print(f"starting infinityd in {runtime_dir}")
     client = infinity.connect(config=config, start=True, name="demo-writer")

@@ -20,6 +20,14 @@ from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
 
 
+STATUS_CLIENT_NAME = "infinityd status"
+STOP_CLIENT_NAME = "infinityd stop"
+MONITOR_CLIENT_NAME = "infinity-top"
+# Sessions of the project's own tools: they come and go by themselves, hold nothing a stop
+# would break, and `infinityd stop` does not count them as clients attached.
+TOOL_CLIENT_NAMES = frozenset({STATUS_CLIENT_NAME, STOP_CLIENT_NAME, MONITOR_CLIENT_NAME})
+
+
 def _request(config: InfinityConfig, message: wire.Request, *, name: str) -> Any:
     layout = RuntimeLayout(config.daemon.runtime_dir)
     layout.check()
@@ -49,9 +57,9 @@ def _request(config: InfinityConfig, message: wire.Request, *, name: str) -> Any
 
 def daemon_stats(config: InfinityConfig) -> dict[str, Any]:
     """The daemon's `stats` map."""
-    return wire.decode_stats(_request(config, wire.Stats(), name="infinityd status"))
+    return wire.decode_stats(_request(config, wire.Stats(), name=STATUS_CLIENT_NAME))
 
 
 def shutdown_daemon(config: InfinityConfig) -> None:
     """Ask the daemon to stop cleanly; returns once it has acknowledged."""
-    _request(config, wire.Shutdown(), name="infinityd stop")
+    _request(config, wire.Shutdown(), name=STOP_CLIENT_NAME)

@@ -113,15 +113,16 @@ def _stop(config: InfinityConfig, args: argparse.Namespace) -> int:
 def _clients_attached(config: InfinityConfig) -> str | None:
     """Why not to stop now, or None. Stopping drops every client's session, leases and
     unflushed tensors: a trainer still running would fail. So `stop` names the clients attached
-    and stops only with --force. (One that connects between this check and the stop is
-    dropped all the same.)"""
-    from infinity.client.admin import daemon_stats
+    and stops only with --force; the project's own tools (infinity-top, `infinityd status`) do
+    not count. (One that connects between this check and the stop is dropped all the same.)"""
+    from infinity.client.admin import TOOL_CLIENT_NAMES, daemon_stats
 
     try:
         clients = daemon_stats(config)["clients"]
     except DaemonUnavailableError:
         return None  # it does not answer: `stop` signals it, as before
-    others = [c for c in clients if c.get("pid") != os.getpid()]
+    others = [c for c in clients
+              if c.get("pid") != os.getpid() and c.get("name") not in TOOL_CLIENT_NAMES]
     if others:
         names = ", ".join(f"{c.get('name')} (pid {c.get('pid')})" for c in others[:5])
         more = f" and {len(others) - 5} more" if len(others) > 5 else ""

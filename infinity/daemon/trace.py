@@ -232,7 +232,8 @@ class Replay:
     between every two traced ones, every other traced tensor no longer read)
     shows as the same tensors off the trace step after step: `off_trace`
     collects the keys of this step's unexpected accesses and skipped entries,
-    and `followed` compares them with the step before's.
+    and `followed` compares them with the step before's. A skipped entry read
+    a moment later (a swap within the window) is taken back out.
     """
 
     __slots__ = ("trace", "window", "position", "unexpected_run", "diverged", "skipped",
@@ -270,6 +271,7 @@ class Replay:
                 self.skipped += skipped
                 for passed in range(self.position, index):
                     self._off_trace(entries[passed].key)
+                self.off_trace.discard(key)  # read early or late: swapped, not off the trace
                 # After a skip or an unexpected access the gap measures more than this entry's compute.
                 if skipped == 0 and self.unexpected_run == 0:
                     self.measured_gaps_s[index] = max(0.0, gap_s)
@@ -278,6 +280,7 @@ class Replay:
                 return Match.IN_ORDER if skipped == 0 else Match.SKIPPED
         for index in range(max(0, self.position - self.window), self.position):
             if entries[index].key == key:
+                self.off_trace.discard(key)  # skipped a moment ago, read now: only swapped
                 return Match.RETOUCH
         self.unexpected += 1
         self.unexpected_run += 1

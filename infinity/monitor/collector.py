@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infinity.client.admin import MONITOR_CLIENT_NAME
 from infinity.config import InfinityConfig
 from infinity.errors import InfinityError
 
@@ -55,7 +56,7 @@ class StatsCollector:
         import infinity
 
         try:
-            client = infinity.connect(config=self.config, name="infinity-top")
+            client = infinity.connect(config=self.config, name=MONITOR_CLIENT_NAME)
         except InfinityError as exc:
             return Snapshot(time.time(), error=str(exc))
         try:
