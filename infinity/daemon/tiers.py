@@ -1145,7 +1145,11 @@ class TierManager:
             self._forget_order(key)
             done(error)
 
-        self.index.remove([key], on_done=removed)
+        try:
+            self.index.remove([key], on_done=removed)
+        except InfinityError as exc:  # not even submitted (the index closed or failed)
+            self._index_done(key, exc)
+            raise
         return True
 
     def is_durable(self, version: Version) -> bool:
