@@ -584,6 +584,29 @@ def test_a_durable_commit_overtaken_by_a_newer_one_is_answered_only_once_that_on
         assert same_bytes(x, pattern(3, 4096))
 
 
+def test_a_release_of_a_read_streams_request_id_does_not_end_the_streams_lease(store: Store) -> None:
+    # A get's lease is named by its request id; a read stream's used to be too, so releasing
+    # that id retired a deleted version under the open stream (its extents free for reuse).
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.write_from("t", pattern(5, 8 * MiB))  # larger than the tier's segments: on NVMe
+        assert tier_of(client, "t") == "nvme"
+        channel = client._channel()
+        stream_id = next(client._request_ids)
+        opened = channel.call(stream_id, wire.StreamOpen("default", "t", "read"))
+        info = wire.StreamInfo.from_wire(opened.results[0])
+        assert not info.direct
+        client.delete("t")
+        channel.send(next(client._request_ids), wire.Release((stream_id,)), expect_reply=False)
+        chunk = channel.call(next(client._request_ids), wire.StreamChunk(stream_id, 0, 0, MiB))
+        assert chunk.failure is None and chunk.results == (None,), chunk
+        slot = client._view(info.slots[0])
+        assert same_bytes(slot.reshape(-1)[:MiB], pattern(5, 8 * MiB)[:MiB])
+        closed = channel.call(next(client._request_ids), wire.StreamClose(stream_id))
+        assert closed.failure is None
+    assert "internal error" not in daemon.log()
+
+
 def test_a_daemon_without_nvme_refuses_durable_writes_with_advice(client: Any) -> None:
     with pytest.raises(InvalidRequestError, match="nvme.dirs"):
         client.put("x", torch.ones(3), durable=True)

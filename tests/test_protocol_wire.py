@@ -242,3 +242,11 @@ def test_a_placement_carries_its_count_of_edits_and_a_short_or_negative_one_is_r
         wire.Placement.from_wire([3, 8192, 40, "float32", [10], 9])  # the first protocol's six
     with pytest.raises(ProtocolError):
         wire.Placement.from_wire([3, 8192, 40, "float32", [10], 9, -1])
+
+
+def test_releases_of_ids_no_get_could_have_are_malformed() -> None:
+    for bad in (0, -3, 2**63):
+        with pytest.raises(ProtocolError):
+            wire.Release.from_body([bad])
+        with pytest.raises(ProtocolError):
+            wire.decode_envelope(msgpack.packb(["exists", 1, [], [bad]]))

@@ -74,6 +74,12 @@ class Stream:
                      for s in self.slots)
 
 
+def _lease_id(stream_id: int) -> int:
+    """A read stream's lease: outside the ids a client may release (`wire.Release`), so only
+    the stream's close ends it, never a release of the request id that opened it."""
+    return -stream_id
+
+
 class StreamTable:
     """Every open stream, by (client, stream id). Loop thread only."""
 
@@ -115,7 +121,8 @@ class StreamTable:
             self._fill_slots(stream, done)
 
     def _open_read(self, client: int, stream_id: int, key: Key) -> Stream:
-        lease, outcomes = self.catalog.acquire(client, stream_id, [(key[0], key[1], False)])
+        lease, outcomes = self.catalog.acquire(client, _lease_id(stream_id),
+                                               [(key[0], key[1], False)])
         outcome = outcomes[0]
         if not isinstance(outcome, Version):
             raise outcome
@@ -129,7 +136,7 @@ class StreamTable:
                 if self.tiers.nvme is not None:
                     self.tiers.touched(version)
         elif version.nvme is None:
-            self.catalog.release(client, stream_id)
+            self.catalog.release(client, _lease_id(stream_id))
             raise InvalidRequestError(f"tensor {key[1]!r} has no bytes to stream (internal error)")
         return stream
 
@@ -338,7 +345,7 @@ class StreamTable:
         if stream.mode == "read":
             if stream.version is not None:
                 try:
-                    self.catalog.release(stream.client, stream.id)
+                    self.catalog.release(stream.client, _lease_id(stream.id))
                 except InfinityError:
                     pass  # the client's leases were dropped with it
                 stream.version = None

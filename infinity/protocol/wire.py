@@ -402,9 +402,15 @@ class Release:
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> Release:
         for value in body:
-            if type(value) is not int:
-                raise _bad("release item", "a lease id", value)
+            if not _is_lease_id(value):
+                raise _bad("release item", "a lease id (a get's request id)", value)
         return cls(tuple(body))
+
+
+def _is_lease_id(value: Any) -> bool:
+    """A lease is named by the request id of the get that took it, in [1, 2**63); the daemon's
+    own leases (a read stream's) lie outside, so no release can end them."""
+    return type(value) is int and 0 < value < 2**63
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,8 +735,8 @@ def decode_envelope(data: bytes) -> Envelope:
     if len(value) == 4:
         releases = _list(value[3], "piggybacked releases")
         for lease_id in releases:
-            if type(lease_id) is not int:
-                raise _bad("piggybacked release", "a lease id", lease_id)
+            if not _is_lease_id(lease_id):
+                raise _bad("piggybacked release", "a lease id (a get's request id)", lease_id)
     return Envelope(op, request_id, body, releases)
 
 
