@@ -27,6 +27,17 @@ def test_name_in_another_namespace_is_not_found_and_the_message_names_where_it_i
         client.get("w", namespace="model-b")
 
 
+def test_a_name_in_many_namespaces_gives_a_short_not_found_message(client: Any) -> None:
+    long_names = [f"{i:03d}" + "n" * 250 for i in range(300)]
+    for namespace in long_names:
+        client.put("w", torch.ones(1), namespace=namespace)
+    with pytest.raises(NotFoundError, match="and others") as raised:
+        client.get("w", namespace="elsewhere")  # was an undecodable 78 KB reply
+    assert len(str(raised.value)) < 2000
+    with pytest.raises(NotFoundError):
+        client.get_many(["w"] * 2000, namespace="elsewhere")  # was a 150 MB reply
+
+
 def test_tensor_larger_than_the_whole_tier_is_too_large(client: Any) -> None:
     with pytest.raises(TooLargeError, match="cpu.budget_bytes"):
         client.reserve({"huge": (torch.uint8, (65 * MiB,))})

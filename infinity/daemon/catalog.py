@@ -27,6 +27,11 @@ from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotF
 from infinity.protocol import dtypes
 from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement, pack_result
 
+# A not-found error names at most this many other namespaces holding the name, found among at
+# most this many namespaces.
+HINT_MAX_NAMESPACES_NAMED = 3
+HINT_MAX_NAMESPACES_LOOKED = 256
+
 Key = tuple[str, str]  # (namespace, name)
 
 
@@ -210,11 +215,25 @@ class Catalog:
         version = entries.get(name) if entries is not None else None
         if version is None:
             check_key(namespace, name)
-            elsewhere = [ns for ns, names in self._namespaces.items() if name in names]
-            hint = (f"; it exists in namespace(s) {', '.join(repr(n) for n in sorted(elsewhere))}"
-                    if elsewhere else "; put or reserve+commit it first")
-            raise NotFoundError(f"no tensor {name!r} in namespace {namespace!r}{hint}")
+            raise NotFoundError(f"no tensor {name!r} in namespace {namespace!r}"
+                                f"{self._elsewhere_hint(name)}")
         return version
+
+    def _elsewhere_hint(self, name: str) -> str:
+        """Where else the name exists, for a not-found error: a few namespaces, from a bounded
+        look (on the loop thread, once per missing item: a store of many namespaces must not
+        make a batch of misses slow, nor its errors large)."""
+        elsewhere: list[str] = []
+        for looked, (namespace, names) in enumerate(self._namespaces.items()):
+            if looked == HINT_MAX_NAMESPACES_LOOKED or len(elsewhere) > HINT_MAX_NAMESPACES_NAMED:
+                break
+            if name in names:
+                elsewhere.append(namespace)
+        if not elsewhere:
+            return "; put or reserve+commit it first"
+        named = ", ".join(repr(n) for n in elsewhere[:HINT_MAX_NAMESPACES_NAMED])
+        more = " and others" if len(elsewhere) > HINT_MAX_NAMESPACES_NAMED else ""
+        return f"; it exists in namespace(s) {named}{more}"
 
     def current(self, namespace: str, name: str) -> Version:
         """The name's current version; NotFoundError (with a hint) when there is none."""
