@@ -100,6 +100,18 @@ def test_request_of_the_wrong_shape_gets_a_protocol_error_naming_its_id(
     _assert_daemon_serves(client)
 
 
+def test_a_list_request_of_several_pages_is_refused_and_the_daemon_keeps_serving(
+        raw: RawSocket, client: Any) -> None:
+    # One page per request: 3,000 pages of a namespace in one 18 KB request made an 82 MiB reply.
+    client.put_many({f"t{i}": torch.ones(1) for i in range(50)})
+    raw.hello()
+    raw.send(msgpack.packb(["list", 7, [["default", "", ""]] * 3000]))
+    reply = raw.recv()
+    assert reply.request_id == 7 and "one request per page" in str(_failure(reply))
+    assert len(client.list()) == 50
+    _assert_daemon_serves(client)
+
+
 def test_unknown_operation_gets_a_protocol_error(raw: RawSocket) -> None:
     raw.hello()
     raw.send(msgpack.packb(["teleport", 3, []]))

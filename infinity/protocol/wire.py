@@ -582,7 +582,11 @@ class Exists(_NamedItems):
 
 @dataclass(frozen=True, slots=True)
 class ListTensors:
-    """Lists a namespace; each result is a list of TensorInfo."""
+    """Lists a namespace: one item, whose result is a list of TensorInfo (one page).
+
+    One item only: each page costs a walk of its namespace and up to LIST_PAGE entries, so a
+    request of many items (an 18 KB one made an 82 MiB reply) would let one message stall the
+    daemon and blow up its memory."""
 
     OP: ClassVar[str] = "list"
     items: tuple[ListItem, ...]
@@ -592,6 +596,9 @@ class ListTensors:
 
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> ListTensors:
+        if len(body) != 1:
+            raise ProtocolError(f"malformed list request: it lists one namespace page, not "
+                                f"{len(body)}; send one request per page")
         return cls(_items(body, "list", ListItem))
 
 
