@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -352,3 +353,28 @@ def test_a_daemon_out_of_file_descriptors_waits_instead_of_spinning_and_serves_o
     after = daemon.connect("after")  # accepted again once fds are free
     assert "after" in {c["name"] for c in after.stats()["clients"]}
     after.close()
+
+
+def test_a_second_fd_channel_for_a_session_is_refused_and_closed(daemon: Any) -> None:
+    # Only the session's first fd channel is closed when it ends: a second one bound too
+    # outlived it, handing out segments to a session long gone.
+    from infinity.protocol import fdpass
+
+    client = daemon.connect("owner")
+    try:
+        second = fdpass.seqpacket_socket()
+        second.settimeout(10)
+        second.connect(RuntimeLayout(daemon.runtime_dir).fds_path)
+        fdpass.send_message(second, wire.FdRequest(client._token, None).encode())
+        data, fds, _, _ = socket.recv_fds(second, 1 << 16, 8)
+        for fd in fds:
+            os.close(fd)
+        reply = wire.FdReply.decode(data)
+        assert reply.error is not None and "already has an fd channel" in reply.error.message
+        assert not fds and second.recv(16) == b""  # closed by the daemon
+        second.close()
+        client.put("still", torch.ones(3))  # the session and its own channel carry on
+        with client.get("still") as view:
+            assert torch.equal(view, torch.ones(3))
+    finally:
+        client.close()

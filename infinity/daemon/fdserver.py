@@ -133,6 +133,11 @@ class FdServer:
                 session = self._find_session(request.token)
                 if session is None:
                     raise ProtocolError("the fd channel names no open session; send hello first")
+                if session.fd_conn is not None:
+                    # One per session: the session's end closes the one it knows of, and a
+                    # second would outlive it, handing out segments to a session long gone.
+                    raise ProtocolError("this session already has an fd channel; a client "
+                                        "opens one per hello")
                 conn.session = session
                 session.fd_conn = conn
                 self._on_bound(session, conn)
