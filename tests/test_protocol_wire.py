@@ -250,3 +250,8 @@ def test_releases_of_ids_no_get_could_have_are_malformed() -> None:
             wire.Release.from_body([bad])
         with pytest.raises(ProtocolError):
             wire.decode_envelope(msgpack.packb(["exists", 1, [], [bad]]))
+
+
+def test_a_step_namespace_with_a_nul_is_malformed_as_a_tensors_would_be() -> None:
+    with pytest.raises(ProtocolError, match="without NUL"):
+        wire.Step.from_body(["model\x00a", "begin"])

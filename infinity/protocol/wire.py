@@ -627,9 +627,10 @@ class Step:
     def from_body(cls, body: Sequence[Any]) -> Step:
         namespace, phase = _list(body, "step", 2)
         namespace = _str(namespace, "step namespace")
-        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
+        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS or "\x00" in namespace:
+            # As a tensor's namespace: the trace is saved under it (SQLite text ends at a NUL).
             raise ProtocolError(f"malformed step: the namespace must have 1 to "
-                                f"{MAX_NAMESPACE_CHARS} characters")
+                                f"{MAX_NAMESPACE_CHARS} characters, without NUL")
         if phase not in STEP_PHASES:
             raise ProtocolError(f"malformed step: the phase must be 'begin', 'end' or 'abort', "
                                 f"not {_short(phase)}")
