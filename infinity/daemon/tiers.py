@@ -77,6 +77,7 @@ class DiskCopy:
     # The version's `edits` when these bytes were read from it: of two copies of one version
     # (written in place between them), the index must end at the later one.
     edits: int = 0
+    indexed_order: tuple[int, int] = (0, 0)  # (stamp, edits) of the index row pointing here
 
 
 @dataclass(eq=False, slots=True)
@@ -1020,7 +1021,7 @@ class TierManager:
             else:
                 del self._flushing[version.key]
         records: list[DurableRecord] = []
-        published: list[tuple[int, Key, DiskCopy, int]] = []
+        published: list[tuple[int, Key, DiskCopy, int, tuple[int, int]]] = []
         overtaken: list[tuple[int, Key]] = []
         for i, version, copy in job.ready:
             key = version.key
@@ -1040,7 +1041,7 @@ class TierManager:
             self._index_issued[key] = order
             self._index_pending[key] = self._index_pending.get(key, 0) + 1
             records.append(DurableRecord(key[0], key[1], version.dtype, version.shape, copy.layout))
-            published.append((i, key, copy, version.nbytes))
+            published.append((i, key, copy, version.nbytes, order))
         for version in job.versions:
             self._forget_order(version.key)
         left = len(overtaken) + bool(records)
@@ -1069,7 +1070,8 @@ class TierManager:
         except InfinityError as exc:
             self._flush_committed(job, published, None, exc, finish=one_done)
 
-    def _flush_committed(self, job: _Flush, published: list[tuple[int, Key, DiskCopy, int]],
+    def _flush_committed(self, job: _Flush,
+                         published: list[tuple[int, Key, DiskCopy, int, tuple[int, int]]],
                          future: Future[None] | None, failure: InfinityError | None = None, *,
                          finish: Callable[[], None]) -> None:
         error = failure
@@ -1077,12 +1079,13 @@ class TierManager:
             exc = future.exception()
             error = exc if isinstance(exc, InfinityError) or exc is None else StoreDirectoryError(
                 f"the store index failed ({type(exc).__name__}: {exc}); see infinityd's log")
-        for i, key, copy, nbytes in published:
+        for i, key, copy, nbytes, order in published:
             copy.publishing -= 1
             if error is None:
                 old = self._indexed.get(key)
                 self._indexed[key] = copy
                 copy.indexed = True
+                copy.indexed_order = order
                 if old is not None and old is not copy:
                     old.indexed = False
                     self._release_copy(old)
@@ -1091,14 +1094,28 @@ class TierManager:
             else:
                 job.errors[i] = error
                 self._release_copy(copy)
+                self._index_failed(key, order)
         if error is None:
             self.counters.flushes += 1
         else:
             self.counters.flush_failures += 1
             log.error("flush failed: %s", error)
-        for _, key, _, _ in published:
+        for _, key, _, _, _ in published:
             self._index_done(key, error)
         finish()
+
+    def _index_failed(self, key: Key, order: tuple[int, int]) -> None:
+        """The index update of `order` about `key` failed: the index still says what it said
+        before. If no later update about the name was issued since, a flush of an older
+        version must be measured against what the index holds, not against this failure, or it
+        would be skipped as overtaken and answered as durable while it is not."""
+        if self._index_issued.get(key) != order:
+            return
+        indexed = self._indexed.get(key)
+        if indexed is not None:
+            self._index_issued[key] = indexed.indexed_order
+        else:
+            self._index_issued.pop(key, None)
 
     def _index_done(self, key: Key, error: InfinityError | None) -> None:
         """One index transaction about `key` ended (transactions end in the order they were
@@ -1128,7 +1145,7 @@ class TierManager:
             self._index_issued[key] = (self._catalog.next_stamp(), 0)
         if key not in self._indexed and key not in self._index_pending:
             return False
-        self._index_issued[key] = (self._catalog.next_stamp(), 0)
+        order = self._index_issued[key] = (self._catalog.next_stamp(), 0)
         self._index_pending[key] = self._index_pending.get(key, 0) + 1
 
         def removed(future: Future[None]) -> None:
@@ -1141,6 +1158,8 @@ class TierManager:
                 if old is not None:
                     old.indexed = False
                     self._release_copy(old)
+            else:
+                self._index_failed(key, order)
             self._index_done(key, error)
             self._forget_order(key)
             done(error)
@@ -1174,7 +1193,7 @@ class TierManager:
             version = catalog.install(key, record.dtype, record.shape, nbytes, cpu=None,
                                       dirty=False, nvme=copy)
             self._indexed[key] = copy
-            self._index_issued[key] = (version.stamp, 0)
+            copy.indexed_order = self._index_issued[key] = (version.stamp, 0)
         return len(records)
 
     # --- streams' I/O ---------------------------------------------------------------------
