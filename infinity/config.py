@@ -242,6 +242,9 @@ class SchedulerConfig:
     trace_max_entries: int = 1_000_000
     # Between steps (and near a step's end) prefetch the start of the next step.
     prefetch_across_steps: bool = True
+    # Traces kept (in memory and in the store's index) for clients that left, so a restarted
+    # one prefetches from its first step; past this many, those that left longest ago go.
+    max_kept_traces: int = 1024
     # CPU-tier quotas per tensor namespace. TOML: an inline table
     # `namespace_quota_bytes = { weights = 1073741824 }`; environment and flags:
     # `weights=1073741824,optim=2147483648`.
@@ -258,6 +261,7 @@ class SchedulerConfig:
         _require(self.fair_quantum_bytes > 0, "scheduler.fair_quantum_bytes must be positive")
         _require(1 <= self.divergence_window <= 1024,
                  "scheduler.divergence_window must be between 1 and 1024")
+        _require(self.max_kept_traces >= 0, "scheduler.max_kept_traces must be 0 or more")
         _require(0 < self.bandwidth_ewma_alpha <= 1,
                  "scheduler.bandwidth_ewma_alpha must be above 0 and at most 1")
         _require(self.bandwidth_sample_min_s >= 0, "scheduler.bandwidth_sample_min_s must be >= 0")

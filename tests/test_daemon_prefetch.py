@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import sqlite3
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -199,6 +200,30 @@ def test_traces_are_kept_in_the_store_across_a_daemon_restart(store: PrefetchSto
     assert scheduler_client(restarted, "trainer")["trace_entries"] == NUM_LAYERS
     assert_replayed_from_prefetch(restarted, list(range(NUM_LAYERS)))
     restarted.close()
+
+
+def test_only_the_traces_of_the_clients_that_left_last_are_kept(store: PrefetchStore) -> None:
+    # Clients named anew for each job would otherwise each leave a trace, for good.
+    daemon = store.start(**{"scheduler.max_kept_traces": 2})
+    with daemon.connect("writer") as writer:
+        write_layers(writer)
+    for name in ("job-1", "job-2", "job-3"):
+        client = daemon.connect(name)
+        assert run_step(client, list(range(NUM_LAYERS)))[0].outcome == "recorded"
+        client.close()
+
+    def saved() -> set[str]:
+        db = sqlite3.connect(os.path.join(store.dir, "infinity-index.sqlite"))
+        try:
+            return {client for (client,) in db.execute("SELECT client FROM traces")}
+        finally:
+            db.close()
+
+    wait_until(lambda: saved() == {"job-2", "job-3"}, timeout_s=10,
+               what="the oldest trace to leave the index")
+    with daemon.connect("watcher") as watcher:
+        kept = {c["client"] for c in watcher.stats()["scheduler"]["clients"]}
+    assert "job-1" not in kept and {"job-2", "job-3"} <= kept
 
 
 def test_two_live_clients_with_one_name_keep_separate_traces(store: PrefetchStore) -> None:

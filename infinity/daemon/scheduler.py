@@ -131,6 +131,7 @@ class _Stream:
     step_ended_s: float | None = None
     step_gap_s: float | None = None  # measured between the last step's end and this step's start
     last_access_s: float | None = None
+    left_s: float = 0.0  # when its client left (0: never seen here, e.g. a trace restored)
     stall_in_gap_s: float = 0.0  # stall since the last access: taken out of the next gap
     open_waits: int = 0
     wait_since_s: float = 0.0
@@ -389,6 +390,7 @@ class Scheduler:
         if s.open_waits:
             self._add_stall(s, now_s - s.wait_since_s)
         s.active = False
+        s.left_s = now_s
         s.state = _State.IDLE
         s.replay = None
         s.recorder = None
@@ -448,6 +450,15 @@ class Scheduler:
         self._drop_index(s)
         self._served.pop(stream, None)
         self._planned = {key: owner for key, owner in self._planned.items() if owner != stream}
+
+    def traces_beyond(self, kept: int) -> list[StreamKey]:
+        """The streams of clients that left whose traces are past the `kept` most recent (those
+        that left longest ago first): for the daemon to forget."""
+        gone = [s for s in self._streams.values() if not s.active and s.trace is not None]
+        if len(gone) <= kept:
+            return []
+        gone.sort(key=lambda s: s.left_s)
+        return [s.key for s in gone[:len(gone) - kept]]
 
     def trace_of(self, stream: StreamKey) -> Trace | None:
         """The stream's trace (immutable: safe to serialize on another thread)."""

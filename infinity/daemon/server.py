@@ -910,6 +910,11 @@ class Daemon:
             else:
                 self._save_trace(stream)  # with the timing its replayed steps refined
         session.streams.clear()
+        # Clients named anew for each job would otherwise leave a trace each, for good.
+        for stream in scheduler.traces_beyond(self.config.scheduler.max_kept_traces):
+            scheduler.remove_stream(stream)
+            self._save_trace(stream)  # no trace now: deleted from the index
+            self._saved_traces.pop(stream, None)
         self._plan_due = True
 
     def _save_trace(self, stream: StreamKey) -> None:
