@@ -18,7 +18,8 @@ import torch
 
 from conftest import PREFETCH_SETTINGS, RunningDaemon, wait_until
 from infinity.client.device import CpuCopier, CudaCopier, DeviceCache
-from infinity.errors import InvalidRequestError, LeaseError, TierFullError, TooLargeError
+from infinity.errors import (DaemonUnavailableError, InvalidRequestError, LeaseError, TierFullError,
+                             TooLargeError)
 
 MiB = 1024 * 1024
 LAYER_SHAPE = (129, 1021)  # a little over 512 KiB
@@ -507,4 +508,154 @@ def test_closing_a_cache_whose_prefetch_answer_was_given_up_on_gives_its_lease_b
     # Nothing reads the cache's socket again: its lease must go back all the same.
     wait_until(lambda: leases_held(client) == 0, timeout_s=10,
                what="the given-up prefetch's lease to be released")
+    client.close()
+
+
+def leases_held(client: Any) -> int:
+    client.flush()  # releases that ride with the next message reach the daemon first
+    return int(client.stats()["catalog"]["num_leases"])
+
+
+def test_a_prefetch_answer_given_up_on_in_a_get_gives_its_lease_back(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    daemon = daemon_factory(nvme_tier=True, **{**PREFETCH_SETTINGS, "cpu.budget_bytes": 32 * MiB,
+                                               "daemon.request_timeout_s": 0.5})
+    client = daemon.connect("trainer")
+    write_layers(client)
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=CpuCopier())
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with cache.get("layer0"):
+        pass
+    send_prefetch = cache._prefetch
+
+    def prefetch_to_a_stopped_daemon() -> None:
+        daemon.process.send_signal(signal.SIGSTOP)  # silent past request_timeout_s
+        send_prefetch()
+
+    cache._prefetch = prefetch_to_a_stopped_daemon  # type: ignore[method-assign]
+    try:
+        with cache.get("layer1"):
+            pass
+        cache._prefetch = send_prefetch  # type: ignore[method-assign]
+        assert cache._pending is not None
+        with pytest.raises(DaemonUnavailableError):
+            cache.get(cache._pending[1][0])  # waits for that prefetch's answer, and gives up
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    cache.close()
+    wait_until(lambda: leases_held(client) == 0, timeout_s=10, what="the late answer's lease")
+    client.close()
+
+
+def test_a_budget_past_what_the_wire_carries_still_serves_gets(daemon: RunningDaemon) -> None:
+    client = daemon.connect("trainer")
+    client.put("x", torch.arange(10.0))
+    cache = DeviceCache(client, budget_bytes=1 << 62, copier=CpuCopier())  # "no limit"
+    with cache.get("x") as t:
+        assert torch.equal(t, torch.arange(10.0))
+    cache.close()
+    assert leases_held(client) == 0
+    client.close()
+
+
+def test_a_prefetch_copy_finding_host_memory_full_is_counted_and_the_get_served(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    try:  # what torch's CPU allocator raises when it finds no memory
+        torch.empty(1 << 60, dtype=torch.uint8)
+    except RuntimeError as exc:
+        no_memory = exc
+    else:
+        pytest.skip("this machine allocated 2**60 bytes")
+
+    class FullWhenArmed(CpuCopier):
+        """Stands in for memory running out mid-step, which a test cannot cause on its own."""
+        armed = False
+
+        def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            if self.armed:
+                raise RuntimeError(str(no_memory))
+            return super().start(src)
+
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    copier = FullWhenArmed()
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with client.step():
+        for i in range(3):
+            with cache.get(f"layer{i}"):
+                pass
+        assert "layer3" in cache.cached() and cache._pending is not None
+        copier.armed = True
+        with cache.get("layer3") as t:  # a hit; the prefetch it sends on cannot copy
+            assert t[0, 0].item() == 3
+        copier.armed = False
+    assert cache.stats.prefetch_errors == 1
+    cache.close()
+    client.close()
+
+
+def test_a_prefetched_copy_replaced_before_use_counts_as_wasted(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    other = roomy_nvme_daemon.connect("writer")
+    write_layers(client)
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=CpuCopier())
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    with client.step():
+        for i in range(4):
+            with cache.get(f"layer{i}"):
+                pass
+        unused = [name for name, entry in cache._entries.items() if entry.prefetched]
+        assert unused
+        other.write_from(unused[0], torch.full(LAYER_SHAPE, 99.0))  # a new version meanwhile
+        before = cache.stats.wasted_prefetches
+        with cache.get(unused[0]) as t:
+            assert t[0, 0].item() == 99.0
+    assert cache.stats.wasted_prefetches == before + 1
+    cache.close()
+    other.close()
+    client.close()
+
+
+def test_close_gives_the_unused_prefetch_back_even_when_waiting_for_a_copy_fails(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    class FaultingCopier(CpuCopier):
+        """A device that faults: waiting for its copies raises, as a sticky CUDA error does
+        (a fault no test can cause on a CPU)."""
+        faulted = False
+        slow_next = False
+
+        def start(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            slow, self.slow_next = self.slow_next, False
+            return src.clone(), [not slow]
+
+        def finished(self, ticket: Any) -> bool:
+            return bool(ticket[0])
+
+        def synchronize(self, ticket: Any) -> None:
+            if self.faulted:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            ticket[0] = True
+
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    copier = FaultingCopier()
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    copier.slow_next = True
+    with cache.get("layer0"):  # a miss whose copy is still under way
+        pass
+    with cache.get("layer1"):
+        pass
+    assert cache._pending is not None
+    copier.faulted = True
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cache.close()
+    assert cache._pending is None  # given back before the wait that failed
+    assert leases_held(client) == 0  # the failed copy's source went back too
     client.close()

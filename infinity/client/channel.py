@@ -67,7 +67,7 @@ class Channel:
             self._collect_late()
         try:
             data = wire.encode_request(request_id, message, releases)
-        except InvalidRequestError:
+        except Exception:  # refused before sending: the releases it carried ride again
             if releases and self._unsent is not None:
                 self._unsent(releases)
             raise

@@ -50,6 +50,16 @@ if TYPE_CHECKING:
 
 
 _QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
+_MAX_WINDOW_BYTES = 1 << 62  # what `upcoming` may be asked for at most (the wire's integers)
+_OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+
+
+def _device_full(exc: BaseException) -> bool:
+    """Whether a copy failed for want of device memory: torch's error (its CUDA one is the
+    same class since 2.5), or, from torch's CPU allocator (`CpuCopier`), a RuntimeError that
+    says so only in words."""
+    return isinstance(exc, _OUT_OF_MEMORY) or (
+        type(exc) is RuntimeError and "DefaultCPUAllocator" in str(exc))
 _CUDA_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # CUDA pins belong to the process, not to one copier: start address -> end of each pinned range.
 _pins_lock = threading.Lock()
@@ -381,10 +391,20 @@ class DeviceCache:
         copies under way, then `clear()`, so that every CPU-tier lease it holds goes back. What
         DeviceLeases still hold stays in device memory until released."""
         self._closed = True
-        for entry in [*self._entries.values(), *self._orphans]:
-            if entry.ticket is not None:
-                self.copier.synchronize(entry.ticket)
-        self.clear()
+        failure: Exception | None = None
+        try:
+            self._collect_prefetch(use=False)  # no copy reads it: back at once, whatever follows
+        finally:
+            for entry in [*self._entries.values(), *self._orphans]:
+                if entry.ticket is not None:
+                    try:
+                        self.copier.synchronize(entry.ticket)
+                    except Exception as exc:  # a faulted device: its copies run no more
+                        failure = failure or exc
+                    entry.ticket = None
+            self.clear()
+        if failure is not None:
+            raise failure
 
     def __del__(self) -> None:
         # A DeviceLease refers to its cache, so none is still held here: every entry can go.
@@ -445,7 +465,7 @@ class DeviceCache:
         # Further than the budget reaches: names beyond it still order the evictions.
         upcoming = self.client.upcoming(namespace=self.namespace,
                                         max_entries=self.lookahead_entries,
-                                        max_bytes=4 * self.budget_bytes)
+                                        max_bytes=min(4 * self.budget_bytes, _MAX_WINDOW_BYTES))
         self._window = _Window([n for n, _ in upcoming], dict(upcoming))
         if not upcoming:
             self._quiet_gets = _QUIET_GETS
@@ -503,11 +523,12 @@ class DeviceCache:
         try:
             lease, names = request.result()
         except (DaemonUnavailableError, ForkedClientError):
+            # A session that is gone took its leases with it; a request given up on (the daemon
+            # slow) is released on its socket now, as nothing may read it again, and before
+            # the error goes up: nothing else would (close finds no pending request).
+            request.give_back()
             if use:
                 raise
-            # Giving back: a session that is gone took its leases with it; a request given up
-            # on (the daemon slow) is released on its socket now, as nothing may read it again.
-            request.give_back()
             return
         except ProtocolError:
             raise
@@ -533,7 +554,9 @@ class DeviceCache:
                     break
                 try:
                     entry = self._start(name, revision, view, source=None)
-                except torch.cuda.OutOfMemoryError:
+                except Exception as exc:
+                    if not _device_full(exc):
+                        raise
                     self.stats.prefetch_errors += 1  # the device is full: the next get copies
                     break
                 entry.prefetched = True
@@ -640,6 +663,9 @@ class DeviceCache:
     def _replace(self, entry: _Entry) -> None:
         """A newer revision comes: the old copy goes now, or at its holder's last release (its
         bytes stay counted until then: the holder still uses that memory)."""
+        if entry.prefetched:
+            self.stats.wasted_prefetches += 1  # replaced before any use
+            entry.prefetched = False
         if entry.holds:
             del self._entries[entry.name]
             entry.orphaned = True
@@ -654,10 +680,12 @@ class DeviceCache:
     def _free(self, entry: _Entry) -> None:
         self.stats.used_bytes -= entry.nbytes
         if entry.source is not None:
-            if entry.ticket is not None:
-                self.copier.synchronize(entry.ticket)  # it still reads the CPU tier
-            entry.source.release()
-            entry.source = None
+            try:
+                if entry.ticket is not None:
+                    self.copier.synchronize(entry.ticket)  # it still reads the CPU tier
+            finally:  # a copy that failed reads nothing more either
+                entry.source.release()
+                entry.source = None
 
     # --- copies in flight ------------------------------------------------------------------
 
