@@ -342,6 +342,17 @@ def test_a_refused_prefetch_does_not_fail_the_get_or_keep_its_tensor_held(
     assert cache.cached() == {}  # nothing was left held
 
 
+def replayed_cache(daemon: RunningDaemon, copier: CpuCopier) -> tuple[Any, DeviceCache]:
+    """A client with the layers written and a cache of a quarter of them, two steps in: the
+    trace is recorded and replayed, so gets now prefetch."""
+    client = daemon.connect("trainer")
+    write_layers(client)
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
+    for _ in range(2):
+        device_step(client, cache, list(range(NUM_LAYERS)))
+    return client, cache
+
+
 def leases_held(client: Any) -> int:
     """CPU-tier leases the daemon holds, once it has served every release sent so far."""
     client.flush()
@@ -520,11 +531,7 @@ def test_a_prefetch_answer_given_up_on_in_a_get_gives_its_lease_back(
         daemon_factory: Callable[..., RunningDaemon]) -> None:
     daemon = daemon_factory(nvme_tier=True, **{**PREFETCH_SETTINGS, "cpu.budget_bytes": 32 * MiB,
                                                "daemon.request_timeout_s": 0.5})
-    client = daemon.connect("trainer")
-    write_layers(client)
-    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=CpuCopier())
-    for _ in range(2):
-        device_step(client, cache, list(range(NUM_LAYERS)))
+    client, cache = replayed_cache(daemon, CpuCopier())
     with cache.get("layer0"):
         pass
     send_prefetch = cache._prefetch
@@ -577,12 +584,8 @@ def test_a_prefetch_copy_finding_host_memory_full_is_counted_and_the_get_served(
                 raise RuntimeError(str(no_memory))
             return super().start(src)
 
-    client = roomy_nvme_daemon.connect("trainer")
-    write_layers(client)
     copier = FullWhenArmed()
-    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
-    for _ in range(2):
-        device_step(client, cache, list(range(NUM_LAYERS)))
+    client, cache = replayed_cache(roomy_nvme_daemon, copier)
     with client.step():
         for i in range(3):
             with cache.get(f"layer{i}"):
@@ -599,12 +602,8 @@ def test_a_prefetch_copy_finding_host_memory_full_is_counted_and_the_get_served(
 
 def test_a_prefetched_copy_replaced_before_use_counts_as_wasted(
         roomy_nvme_daemon: RunningDaemon) -> None:
-    client = roomy_nvme_daemon.connect("trainer")
+    client, cache = replayed_cache(roomy_nvme_daemon, CpuCopier())
     other = roomy_nvme_daemon.connect("writer")
-    write_layers(client)
-    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=CpuCopier())
-    for _ in range(2):
-        device_step(client, cache, list(range(NUM_LAYERS)))
     with client.step():
         for i in range(4):
             with cache.get(f"layer{i}"):
@@ -641,12 +640,8 @@ def test_close_gives_the_unused_prefetch_back_even_when_waiting_for_a_copy_fails
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             ticket[0] = True
 
-    client = roomy_nvme_daemon.connect("trainer")
-    write_layers(client)
     copier = FaultingCopier()
-    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=copier)
-    for _ in range(2):
-        device_step(client, cache, list(range(NUM_LAYERS)))
+    client, cache = replayed_cache(roomy_nvme_daemon, copier)
     copier.slow_next = True
     with cache.get("layer0"):  # a miss whose copy is still under way
         pass
