@@ -63,3 +63,16 @@ def test_grow_adds_free_tail() -> None:
 def test_zero_bytes_is_refused() -> None:
     with pytest.raises(InvalidRequestError):
         ExtentAllocator(4096).allocate(0)
+
+
+def test_the_free_tail_is_the_free_range_that_ends_at_the_capacity() -> None:
+    space = ExtentAllocator(40960)
+    assert space.free_tail_bytes() == 40960
+    first = space.allocate(8192)
+    assert first is not None and space.free_tail_bytes() == 32768
+    last = space.allocate(32768)
+    assert last is not None and space.free_tail_bytes() == 0
+    space.free(first)  # free, but not at the end
+    assert space.free_tail_bytes() == 0
+    space.grow(45056)
+    assert space.free_tail_bytes() == 4096

@@ -10,6 +10,7 @@ import torch
 from infinity.config import MiB, NvmeConfig, IOConfig
 from infinity.errors import (
     ChecksumError,
+    ConfigError,
     DiskFullError,
     IOEngineError,
     OutOfRangeError,
@@ -240,6 +241,26 @@ def test_full_file_system_is_a_typed_error(engine, tiny_tmpfs_dir) -> None:
     out = torch.empty(3 * MiB, dtype=torch.uint8)
     tier.read_tensor(kept, out)
     assert bitwise_equal(random_tensor(3 * MiB, torch.uint8, seed=10), out)
+
+
+def test_a_nearly_full_file_system_grows_the_file_by_only_what_its_free_end_lacks(
+        engine, tiny_tmpfs_dir) -> None:
+    # 8 MiB of file system; the 4 MiB file is all free at its end, so a 6 MiB tensor needs
+    # 2 MiB more, not 6 (which the file system does not have).
+    tier = make_tier(engine, tiny_tmpfs_dir, capacity_bytes_per_dir=64 * MiB, file_grow_bytes=4 * MiB)
+    try:
+        tier.free(tier.write_tensor(random_tensor(4 * MiB, torch.uint8, seed=12)).result())
+        layout = tier.write_tensor(random_tensor(6 * MiB, torch.uint8, seed=13)).result()
+        out = torch.empty(6 * MiB, dtype=torch.uint8)
+        tier.read_tensor(layout, out)
+        assert bitwise_equal(random_tensor(6 * MiB, torch.uint8, seed=13), out)
+    finally:
+        tier.close()
+
+
+def test_a_tier_built_from_a_config_the_loader_never_saw_still_checks_it(engine, disk_tmp) -> None:
+    with pytest.raises(ConfigError, match="multiple of 4096"):  # it would loop forever
+        make_tier(engine, disk_tmp, capacity_bytes_per_dir=MiB + 100)
 
 
 def test_a_write_that_times_out_keeps_its_extents(engine, disk_tmp) -> None:

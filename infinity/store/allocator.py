@@ -54,6 +54,12 @@ class ExtentAllocator:
     def largest_free_bytes(self) -> int:
         return max(self._free_lengths, default=0)
 
+    def free_tail_bytes(self) -> int:
+        """The free range that ends at the capacity (0 if none): what growing extends."""
+        if self._free_offsets and self._free_offsets[-1] + self._free_lengths[-1] == self.capacity_bytes:
+            return self._free_lengths[-1]
+        return 0
+
     def grow(self, new_capacity_bytes: int) -> None:
         """Extend the space (a store file grew); the new tail is free."""
         new_capacity_bytes = new_capacity_bytes // self.alignment_bytes * self.alignment_bytes

@@ -223,13 +223,19 @@ class NvmeDirectory:
         """Extend the extent file so that `nbytes` more could fit; False at the capacity limit.
 
         Grows by `nvme.file_grow_bytes` at a time; when the file system cannot give that much,
-        by just what is needed. `lock` guards the allocator (not the system call).
+        by just what is needed: the part of `nbytes` the free space at the file's end does not
+        hold already. `lock` guards the allocator (not the system call).
         """
         with self._grow_lock:
             current = self.allocator.capacity_bytes
             if current >= self.capacity_bytes:
                 return False
-            need = round_up(nbytes, PAGE_BYTES)
+            if lock is None:
+                tail = self.allocator.free_tail_bytes()
+            else:
+                with lock:
+                    tail = self.allocator.free_tail_bytes()
+            need = max(PAGE_BYTES, round_up(nbytes, PAGE_BYTES) - tail)
             target = min(self.capacity_bytes, current + max(self.grow_bytes, need))
             try:
                 os.posix_fallocate(self.fd, current, target - current)
@@ -323,6 +329,7 @@ class NvmeTier:
         if not config.dirs:
             raise StoreDirectoryError("no NVMe directories configured; set nvme.dirs to one "
                                       "directory per drive")
+        config.validate()  # a config built in code has not met the loader's checks
         self.config = config
         self.engine = engine
         self.staged_reads = staged_reads
