@@ -329,3 +329,29 @@ def test_a_tensor_larger_than_a_directory_may_ever_hold_is_refused_before_any_wo
     tier = make_tier(engine, disk_tmp, capacity_bytes_per_dir=4 * MiB)
     with pytest.raises(StoreFullError, match="more than its nvme.capacity_bytes_per_dir"):
         tier.allocate(1 << 50)  # dealt stripe by stripe, this took minutes and gigabytes
+
+
+def _flushed_layout_wire() -> dict:
+    """A layout as a write of 5 MiB + 1 over two directories in 1 MiB stripes makes it."""
+    return {"nbytes": 5 * MiB + 1, "stripe_bytes": MiB,
+            "extents": [[0, 0, 3 * MiB], [1, 0, 2 * MiB + 4096]], "crcs": [7] * 6}
+
+
+@pytest.mark.parametrize("damage, value", [
+    ("extents", [[0, 0, 4096], [1, 0, 4096]]),  # shorter than its stripes: bytes handed out twice
+    ("extents", [[0, 0, 3 * MiB], [0, 8 * MiB, 2 * MiB + 4096]]),  # one directory twice
+    ("extents", [[-1, 0, 3 * MiB], [1, 0, 2 * MiB + 4096]]),
+    ("extents", [[0, 100, 3 * MiB], [1, 0, 2 * MiB + 4096]]),  # not 4 KiB-aligned
+    ("stripe_bytes", 0),
+    ("crcs", [7] * 5),  # fewer checksums than blocks
+    ("nbytes", -1),
+])
+def test_a_layout_no_write_could_have_made_is_refused(damage: str, value: object) -> None:
+    assert TensorLayout.from_wire(_flushed_layout_wire()).nbytes == 5 * MiB + 1
+    with pytest.raises(ValueError):
+        TensorLayout.from_wire({**_flushed_layout_wire(), damage: value})
+
+
+def test_the_layout_of_a_zero_byte_tensor_is_accepted() -> None:
+    empty = TensorLayout.from_wire({"nbytes": 0, "stripe_bytes": MiB, "extents": [], "crcs": []})
+    assert empty.extents == () and empty.crcs == ()

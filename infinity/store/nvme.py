@@ -141,12 +141,37 @@ class TensorLayout:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "TensorLayout":
-        return cls(
+        """The layout `to_wire` wrote; ValueError, saying what, for one no write could have
+        made. A layout read back from the index is trusted with the disk: extents shorter than
+        its stripes would let the allocator hand the rest of its bytes to other tensors."""
+        layout = cls(
             nbytes=int(data["nbytes"]),
             stripe_bytes=int(data["stripe_bytes"]),
             extents=tuple((int(d), Extent(int(o), int(n))) for d, o, n in data["extents"]),
             crcs=tuple(int(c) for c in data["crcs"]),
         )
+        layout._check()
+        return layout
+
+    def _check(self) -> None:
+        if self.nbytes < 0:
+            raise ValueError(f"a tensor of {self.nbytes} bytes")  # zero: no extents, no checksums
+        if self.stripe_bytes <= 0 or self.stripe_bytes % PAGE_BYTES:
+            raise ValueError(f"stripe size {self.stripe_bytes} is not a positive multiple of 4096")
+        directories = [d for d, _ in self.extents]
+        if any(d < 0 for d in directories) or len(set(directories)) != len(directories):
+            raise ValueError(f"directory numbers {directories} are not distinct and >= 0")
+        for _, extent in self.extents:
+            if (extent.offset_bytes < 0 or extent.length_bytes <= 0
+                    or extent.offset_bytes % PAGE_BYTES or extent.length_bytes % PAGE_BYTES):
+                raise ValueError(f"extent {extent} is not 4 KiB-aligned and non-empty")
+        totals = stripe_totals(self.capacity_bytes, self.stripe_bytes, len(self.extents))
+        lengths = [extent.length_bytes for _, extent in self.extents]
+        if lengths != [totals.get(slot, 0) for slot in range(len(lengths))]:
+            raise ValueError(f"extents of {lengths} bytes do not hold {self.nbytes} bytes in "
+                             f"stripes of {self.stripe_bytes}")
+        if len(self.crcs) != crc_blocks(self.nbytes):
+            raise ValueError(f"{len(self.crcs)} checksums for {crc_blocks(self.nbytes)} blocks")
 
 
 @dataclass(frozen=True)
