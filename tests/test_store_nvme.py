@@ -331,6 +331,35 @@ def test_a_tensor_larger_than_a_directory_may_ever_hold_is_refused_before_any_wo
         tier.allocate(1 << 50)  # dealt stripe by stripe, this took minutes and gigabytes
 
 
+def test_a_tensor_goes_to_another_directory_where_the_roomiest_has_its_room_in_pieces(
+        engine, disk_tmp) -> None:
+    dirs = [os.path.join(disk_tmp, name) for name in ("a", "b")]
+    for path in dirs:
+        os.mkdir(path)
+    tier = make_tier(engine, *dirs, capacity_bytes_per_dir=6 * MiB, stripe_bytes=4 * MiB,
+                     file_grow_bytes=6 * MiB)
+    try:
+        layouts = [tier.allocate(MiB) for _ in range(12)]  # both directories full
+        at = {(l.extents[0][0], l.extents[0][1].offset_bytes // MiB): l for l in layouts}
+        for place in [(0, 0), (0, 2), (0, 4), (1, 1), (1, 2)]:
+            tier.free(at[place])  # a: 3 MiB free in 1 MiB pieces; b: 2 MiB in one piece
+        layout = tier.allocate(2 * MiB)
+        assert [d for d, _ in layout.extents] == [1]
+    finally:
+        tier.close()
+
+
+def test_a_tensor_goes_to_another_directory_where_one_file_system_is_full(
+        engine, disk_tmp, tiny_tmpfs_dir) -> None:
+    tier = make_tier(engine, tiny_tmpfs_dir, disk_tmp, capacity_bytes_per_dir=64 * MiB,
+                     file_grow_bytes=MiB)
+    try:
+        for seed in range(20):  # single-stripe tensors, half of them more than the 8 MiB tmpfs
+            tier.write_tensor(random_tensor(MiB, torch.uint8, seed=seed)).result()
+    finally:
+        tier.close()
+
+
 def _flushed_layout_wire() -> dict:
     """A layout as a write of 5 MiB + 1 over two directories in 1 MiB stripes makes it."""
     return {"nbytes": 5 * MiB + 1, "stripe_bytes": MiB,

@@ -241,8 +241,15 @@ class NvmeDirectory:
 
     @property
     def room_bytes(self) -> int:
-        """What more it may hold: free space in its file, and what the file may still grow."""
-        return self.capacity_bytes - self.allocator.used_bytes
+        """What more it may hold: free space in its file, and what the file may still grow,
+        as far as its file system has room for that."""
+        growable = self.capacity_bytes - self.allocator.capacity_bytes
+        try:
+            stat = os.statvfs(self.path)
+            growable = min(growable, stat.f_bavail * stat.f_frsize)
+        except OSError:
+            pass  # the growth itself will say what is wrong
+        return self.allocator.free_bytes + growable
 
     def grow_for(self, nbytes: int, *, lock: threading.Lock | None = None) -> bool:
         """Extend the extent file so that `nbytes` more could fit; False at the capacity limit.
@@ -395,25 +402,33 @@ class NvmeTier:
             raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
         capacity = round_up(nbytes, PAGE_BYTES)
         num_dirs = len(self.directories)
+        totals = stripe_totals(capacity, self.stripe_bytes, num_dirs)
+        largest = max(totals.values())
+        if largest > self.config.capacity_bytes_per_dir:
+            raise StoreFullError(
+                f"a tensor of {nbytes} bytes needs {largest} in one directory, more than its "
+                f"nvme.capacity_bytes_per_dir of {self.config.capacity_bytes_per_dir}; raise "
+                f"that setting or add directories to nvme.dirs")
         with self._lock:
-            first = max(range(num_dirs), key=lambda d: self.directories[d].room_bytes)
-        # Slot k of the deal (layout.extents[k]) goes to the k-th directory from `first`.
-        per_dir = {(first + slot) % num_dirs: length for slot, length
-                   in stripe_totals(capacity, self.stripe_bytes, num_dirs).items()}
-        for d, length in per_dir.items():
-            directory = self.directories[d]
-            if length > directory.capacity_bytes:
-                raise StoreFullError(
-                    f"a tensor of {nbytes} bytes needs {length} in {directory.path}, more than "
-                    f"its nvme.capacity_bytes_per_dir of {directory.capacity_bytes}; raise that "
-                    f"setting or add directories to nvme.dirs")
-        while True:
-            try:
-                return self._allocate_once(nbytes, per_dir, grow=grow)
-            except GrowthNeeded:
-                if not grow:
-                    raise
-                # Another thread took the room grown here before this took it: grow again.
+            room = [directory.room_bytes for directory in self.directories]
+        # The deal starts at the directory with the most room; where the tensor does not fit
+        # from there (free space in pieces, a file system full), from the next one, and so on.
+        failure: StoreFullError | DiskFullError | None = None
+        for first in sorted(range(num_dirs), key=lambda d: -room[d]):
+            # Slot k of the deal (layout.extents[k]) goes to the k-th directory from `first`.
+            per_dir = {(first + slot) % num_dirs: length for slot, length in totals.items()}
+            while True:
+                try:
+                    return self._allocate_once(nbytes, per_dir, grow=grow)
+                except GrowthNeeded:
+                    if not grow:
+                        raise
+                    # Another thread took the room grown here before this took it: grow again.
+                except (StoreFullError, DiskFullError) as exc:
+                    failure = failure or exc
+                    break
+        assert failure is not None
+        raise failure
 
     def _allocate_once(self, nbytes: int, per_dir: dict[int, int], *, grow: bool) -> TensorLayout:
         taken: list[tuple[int, Extent]] = []
