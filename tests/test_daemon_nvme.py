@@ -842,6 +842,24 @@ def test_a_full_file_system_is_disk_full_and_the_daemon_keeps_serving(tiny_store
         assert client.stats()["tiers"]["nvme"]["durable_tensors"] >= 1
 
 
+def test_a_store_that_filled_its_file_system_can_still_delete_and_store_again(
+        tiny_store: Store) -> None:
+    # Grown page by page, the extent file took the file system's last bytes, and the index
+    # (in the same directory) could not log the deletes that would have freed space.
+    daemon = tiny_store.start(**{"nvme.file_grow_bytes": 4096})
+    with daemon.connect() as client:
+        names = []
+        for size in (MiB, 64 * 1024, 4096):
+            with pytest.raises(DiskFullError):
+                while True:
+                    client.put(f"t{len(names)}", pattern(len(names), size), durable=True)
+                    names.append(f"t{len(names)}")
+        client.delete(names[:3])
+        client.put("after", pattern(99, MiB), durable=True)
+        with client.get("after") as view:
+            assert same_bytes(view, pattern(99, MiB))
+
+
 # --- the daemon process ------------------------------------------------------------------------
 
 def test_infinityd_with_an_nvme_tier_does_not_load_torch(store: Store) -> None:

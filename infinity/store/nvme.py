@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     import torch
 
 PAGE_BYTES = 4096
+# Room the first directory's extent file leaves on its file system for the store's index (its
+# write-ahead log grows with every delete and flush, a few pages each).
+INDEX_ROOM_BYTES = 1 << 20
 CRC_BLOCK_BYTES = 1 * MiB
 EXTENT_FILE_NAME = "infinity-extents.dat"
 
@@ -251,6 +254,22 @@ class NvmeDirectory:
             pass  # the growth itself will say what is wrong
         return self.allocator.free_bytes + growable
 
+    def _leave_room_for_the_index(self, current: int, need: int, target: int) -> int:
+        """The store's index lives in the first directory, and every delete and flush writes
+        to it: the extent file must not take the file system's last bytes, or neither could
+        run again to free space. What growth to `target` may take, keeping INDEX_ROOM_BYTES."""
+        try:
+            stat = os.statvfs(self.path)
+        except OSError:
+            return target  # the growth itself will say what is wrong
+        spare = (stat.f_bavail * stat.f_frsize - INDEX_ROOM_BYTES) // PAGE_BYTES * PAGE_BYTES
+        if spare < need:
+            raise DiskFullError(
+                f"the file system of {self.path} has no room to grow the store by {need} bytes "
+                f"and keep {INDEX_ROOM_BYTES} for the store index; free space there, lower "
+                f"nvme.capacity_bytes_per_dir, or add another directory to nvme.dirs")
+        return min(target, current + spare)
+
     def grow_for(self, nbytes: int, *, lock: threading.Lock | None = None) -> bool:
         """Extend the extent file so that `nbytes` more could fit; False at the capacity limit.
 
@@ -269,6 +288,8 @@ class NvmeDirectory:
                     tail = self.allocator.free_tail_bytes()
             need = max(PAGE_BYTES, round_up(nbytes, PAGE_BYTES) - tail)
             target = min(self.capacity_bytes, current + max(self.grow_bytes, need))
+            if self.index == 0:
+                target = self._leave_room_for_the_index(current, need, target)
             try:
                 os.posix_fallocate(self.fd, current, target - current)
             except OSError as exc:
