@@ -247,22 +247,28 @@ class NvmeDirectory:
         """What more it may hold: free space in its file, and what the file may still grow,
         as far as its file system has room for that."""
         growable = self.capacity_bytes - self.allocator.capacity_bytes
+        available = self._file_system_available_bytes()
+        if available is not None:
+            growable = min(growable, available)
+        return self.allocator.free_bytes + growable
+
+    def _file_system_available_bytes(self) -> int | None:
+        """What its file system can still give; None where that is not known (an error, or a
+        file system that counts no space at all, as ramfs)."""
         try:
             stat = os.statvfs(self.path)
-            growable = min(growable, stat.f_bavail * stat.f_frsize)
         except OSError:
-            pass  # the growth itself will say what is wrong
-        return self.allocator.free_bytes + growable
+            return None  # the growth itself will say what is wrong
+        return stat.f_bavail * stat.f_frsize if stat.f_blocks else None
 
     def _leave_room_for_the_index(self, current: int, need: int, target: int) -> int:
         """The store's index lives in the first directory, and every delete and flush writes
         to it: the extent file must not take the file system's last bytes, or neither could
         run again to free space. What growth to `target` may take, keeping INDEX_ROOM_BYTES."""
-        try:
-            stat = os.statvfs(self.path)
-        except OSError:
-            return target  # the growth itself will say what is wrong
-        spare = (stat.f_bavail * stat.f_frsize - INDEX_ROOM_BYTES) // PAGE_BYTES * PAGE_BYTES
+        available = self._file_system_available_bytes()
+        if available is None:
+            return target
+        spare = (available - INDEX_ROOM_BYTES) // PAGE_BYTES * PAGE_BYTES
         if spare < need:
             raise DiskFullError(
                 f"the file system of {self.path} has no room to grow the store by {need} bytes "
