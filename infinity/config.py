@@ -36,7 +36,16 @@ ENV_CONFIG_PATH = "INFINITY_CONFIG"
 # Variables with the prefix that name no setting: the config file's path, and those the
 # project's scripts, build, tests and benchmarks read. Any other INFINITY_* must be a setting.
 NOT_SETTINGS = frozenset({ENV_CONFIG_PATH, "INFINITY_VENV", "INFINITY_BUILD_JOBS",
-                          "INFINITY_NATIVE_ASAN", "INFINITY_TEST_DISK_DIR", "INFINITY_PEERS_DIR"})
+                          "INFINITY_NATIVE_ASAN", "INFINITY_TEST_DISK_DIR"})
+# The peers' setup script (tools/peers) reads INFINITY_PEERS_*: no setting table is called that.
+NOT_SETTINGS_PREFIX = "INFINITY_PEERS_"
+
+
+def is_setting_variable(name: str) -> bool:
+    """Whether an environment variable names a setting (INFINITY_TABLE_KEY), as opposed to one
+    the scripts, the build or the tests read."""
+    return (name.startswith(ENV_PREFIX) and name not in NOT_SETTINGS
+            and not name.startswith(NOT_SETTINGS_PREFIX))
 USER_CONFIG_PATH = Path("~/.config/infinity/infinity.toml")
 
 
@@ -488,7 +497,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
         source = str(config_path)
 
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
+        if not is_setting_variable(name):
             continue
         rest = name[len(ENV_PREFIX):].lower()
         table, _, key = rest.partition("_")

@@ -73,6 +73,13 @@ def test_tune_writes_the_io_table_and_keeps_the_rest(disk_tmp: str) -> None:
     assert config.read_text().startswith("# my settings")
 
 
+def test_tune_tries_its_settings_with_the_rest_of_io_as_configured(disk_tmp: str) -> None:
+    result = infinity_cli("tune", "--quick", "--dry-run", "--file-bytes", str(64 << 20),
+                          "--set", "io.backend=threads", disk_tmp)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["best"]["backend"] == "threads"  # not the default's choice
+
+
 def test_tune_refuses_a_missing_directory(disk_tmp: str) -> None:
     result = infinity_cli("tune", "--quick", "--dry-run", str(Path(disk_tmp) / "absent"))
     assert result.returncode == 2

@@ -123,7 +123,8 @@ def test_staging_bytes_must_be_positive() -> None:
 
 
 @pytest.mark.parametrize("name", ["INFINITY_VENV", "INFINITY_BUILD_JOBS", "INFINITY_TEST_DISK_DIR",
-                                  "INFINITY_NATIVE_ASAN", "INFINITY_PEERS_DIR"])
+                                  "INFINITY_NATIVE_ASAN", "INFINITY_PEERS_DIR",
+                                  "INFINITY_PEERS_PYTHON", "INFINITY_PEERS_SKIP_APT"])
 def test_the_variables_of_the_scripts_and_the_build_are_not_settings(name: str) -> None:
     assert load_config(env={name: "/some/where"}) == load_config(env={})
 

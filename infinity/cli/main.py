@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(tune)
     tune.add_argument("dir", help="a directory on the drive to tune for")
     tune.add_argument("--file-bytes", type=_bytes_at_least(TUNE_OP_BYTES, "one 64 MiB probe op"),
-                      default=256 << 20, help="bytes moved per setting tried (default 256 MiB, "
-                      "at least 64 MiB)")
+                      default=256 << 20, help="bytes moved per setting tried, in whole 64 MiB "
+                      "ops (default 256 MiB)")
     tune.add_argument("--quick", action="store_true", help="try only a few settings (for tests)")
     tune.add_argument("--dry-run", action="store_true", help="print the best settings, write nothing")
 

@@ -10,6 +10,7 @@ rest of the file (comments included), so the daemon uses it from its next start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -36,6 +37,7 @@ class Trial:
     num_threads: int
     write_gbps: float
     read_gbps: float
+    backend: str = ""  # the engine's, as [io] backend chose it
 
     @property
     def score(self) -> float:
@@ -65,9 +67,12 @@ def _open_probe(directory: str) -> tuple[int, bool, str]:
                                   f"pass a directory you may write, on the drive to tune") from None
 
 
-def measure(fd: int, direct: bool, buffer_address: int, file_bytes: int, setting: tuple[int, int, int]) -> Trial:
+def measure(fd: int, direct: bool, buffer_address: int, file_bytes: int,
+            setting: tuple[int, int, int], io: IOConfig) -> Trial:
+    """One setting tried, with the rest of [io] (the backend, the staging) as configured."""
     block, depth, threads = setting
-    with IOEngine(num_threads=threads, queue_depth=depth, block_size_bytes=block) as engine:
+    tried = dataclasses.replace(io, block_size_bytes=block, queue_depth=depth, num_threads=threads)
+    with IOEngine.from_config(tried) as engine:
         def move(*, is_write: bool) -> float:
             make = IOOp.write if is_write else IOOp.read
             ops = [make(fd=fd, address=buffer_address, nbytes=OP_BYTES, offset=offset, direct=direct)
@@ -78,10 +83,11 @@ def measure(fd: int, direct: bool, buffer_address: int, file_bytes: int, setting
 
         write = move(is_write=True)
         read = move(is_write=False)
-    return Trial(block, depth, threads, write, read)
+        backend = engine.backend
+    return Trial(block, depth, threads, write, read, backend)
 
 
-def sweep(directory: str, *, file_bytes: int, quick: bool) -> list[Trial]:
+def sweep(directory: str, *, file_bytes: int, quick: bool, io: IOConfig | None = None) -> list[Trial]:
     from rich.progress import Progress
 
     file_bytes = max(OP_BYTES, file_bytes // OP_BYTES * OP_BYTES)
@@ -100,7 +106,8 @@ def sweep(directory: str, *, file_bytes: int, quick: bool) -> list[Trial]:
         with Progress(transient=True) as progress:
             task = progress.add_task(f"tuning {directory}", total=len(settings))
             for setting in settings:
-                trials.append(measure(fd, direct, buffer.data_ptr(), file_bytes, setting))
+                trials.append(measure(fd, direct, buffer.data_ptr(), file_bytes, setting,
+                                      io or IOConfig()))
                 progress.advance(task)
     finally:
         os.close(fd)
@@ -129,14 +136,15 @@ def write_io_table(config_path: Path, best: Trial) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    load_config(args.config, overrides=args.overrides)  # refuse to tune into a broken config
-    trials = sweep(args.dir, file_bytes=args.file_bytes, quick=args.quick)
+    config = load_config(args.config, overrides=args.overrides)  # and refuse a broken one
+    trials = sweep(args.dir, file_bytes=args.file_bytes, quick=args.quick, io=config.io)
     best = max(trials, key=lambda t: t.score)
     config_path = find_config_path(args.config) or USER_CONFIG_PATH.expanduser()
     report = {
         "dir": os.path.abspath(args.dir),
         "best": {"block_size_bytes": best.block_size_bytes, "queue_depth": best.queue_depth,
-                 "num_threads": best.num_threads, "write_gbps": round(best.write_gbps, 3),
+                 "num_threads": best.num_threads, "backend": best.backend,
+                 "write_gbps": round(best.write_gbps, 3),
                  "read_gbps": round(best.read_gbps, 3)},
         "trials": [{"block_size_bytes": t.block_size_bytes, "queue_depth": t.queue_depth,
                     "num_threads": t.num_threads, "write_gbps": round(t.write_gbps, 3),

@@ -797,8 +797,9 @@ class Client:
         (durable=True: made durable together, in one index transaction).
 
         The daemon answers the commit with a spare reservation of each tensor's name, dtype
-        and shape where it has free room for one (`cpu.spare_fraction`), so putting the same
-        tensors again needs no reserve request: one round trip instead of two."""
+        and shape where the commit replaced a version and it has free room for one
+        (`cpu.spare_fraction`), so putting the same tensors again needs no reserve request:
+        one round trip instead of two, from a name's third put on."""
         self._check_usable()  # before any lock: a forked child's copy may be held by no thread
         sources = {name: _storable(tensor, name) for name, tensor in tensors.items()}
         if len(sources) == 1:  # the common case, without the stack
@@ -1039,7 +1040,8 @@ class Client:
         """Mark the start of a step (one iteration of a loop that touches the same tensors in
         the same order). The first step is recorded; later ones are replayed: infinityd loads
         what comes next while this process computes. Returns the report of a step this one
-        ended (a step left open), else None. The trace is this client name's in `namespace`:
+        ended (a step left open), else None (always None without an NVMe tier: steps are then
+        untracked). The trace is this client name's in `namespace`:
         give `connect(name=...)` a stable name so a restarted process finds its trace."""
         (result,) = self._call(wire.Step(namespace, "begin"))
         self._raise_first([result])

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from infinity.config import (ENV_CONFIG_PATH, ENV_PREFIX, NOT_SETTINGS, TABLES, InfinityConfig,
+from infinity.config import (ENV_CONFIG_PATH, TABLES, InfinityConfig, is_setting_variable,
                              settings_as_toml, settings_text)
 from infinity.errors import DaemonUnavailableError
 from infinity.protocol.paths import child_environment
@@ -33,7 +33,7 @@ def settings_as_flags(config: InfinityConfig) -> list[str]:
 def start_daemon(config: InfinityConfig) -> None:
     """Run `infinityd start` with these settings; DaemonUnavailableError with its words if it fails."""
     env = {name: value for name, value in child_environment().items()
-           if not name.startswith(ENV_PREFIX) or (name in NOT_SETTINGS and name != ENV_CONFIG_PATH)}
+           if not is_setting_variable(name) and name != ENV_CONFIG_PATH}
     fd, path = tempfile.mkstemp(prefix="infinityd-start-", suffix=".toml")  # 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:  # what the loader reads, whatever the locale

@@ -117,7 +117,8 @@ def _positive_seconds(text: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infinity-top", description="Show what infinityd is doing.")
     parser.add_argument("--config", help="TOML config file (as for infinityd)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="override one setting, e.g. --set daemon.runtime_dir=/run/x (repeatable)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     parser.add_argument("--interval-s", type=_positive_seconds, default=1.0,
