@@ -860,6 +860,30 @@ def test_a_store_that_filled_its_file_system_can_still_delete_and_store_again(
             assert same_bytes(view, pattern(99, MiB))
 
 
+def test_directories_sharing_the_index_file_system_all_leave_it_room(tiny_store: Store) -> None:
+    # Two store directories on one file system: the second grew into the bytes the first had
+    # left for the index, and deletes and flushes failed from then on.
+    dirs = [os.path.join(tiny_store.dir, name) for name in ("a", "b")]
+    for path in dirs:
+        os.mkdir(path)
+    daemon = tiny_store.start(**{"nvme.dirs": dirs, "nvme.file_grow_bytes": 4096})
+
+    def available() -> int:
+        stat = os.statvfs(tiny_store.dir)
+        return stat.f_bavail * stat.f_frsize
+
+    with daemon.connect() as client:
+        for i in range(3):
+            client.put(f"small{i}", pattern(i, 4096), durable=True)
+        with open(os.path.join(tiny_store.dir, "filler"), "wb") as f:
+            f.write(bytes(available() - 2 * MiB - 4096))  # 2 MiB and a page left
+        with pytest.raises(DiskFullError):
+            client.put("two", pattern(7, 2 * MiB), durable=True)  # two stripes, one per directory
+        assert available() >= MiB
+        client.delete(["small0", "small1"])
+        client.put("after", pattern(9, 4096), durable=True)
+
+
 # --- the daemon process ------------------------------------------------------------------------
 
 def test_infinityd_with_an_nvme_tier_does_not_load_torch(store: Store) -> None:

@@ -234,6 +234,9 @@ class TierManager:
         # Flushes overtaken by a newer transaction about their name, still on its way to the
         # index: each learns that transaction's outcome (`_index_done`).
         self._index_waiters: dict[Key, list[Callable[[InfinityError | None], None]]] = {}
+        # The order of the last delete of each name whose ordering is still kept: no flush of
+        # a version older than it may reach the index, whatever becomes of later updates.
+        self._delete_marks: dict[Key, tuple[int, int]] = {}
         # (version stamp, edits) of the last index update issued per name; a delete takes a
         # fresh stamp, so it orders after every version before it.
         self._index_issued: dict[Key, tuple[int, int]] = {}
@@ -1106,16 +1109,19 @@ class TierManager:
 
     def _index_failed(self, key: Key, order: tuple[int, int]) -> None:
         """The index update of `order` about `key` failed: the index still says what it said
-        before. If no later update about the name was issued since, a flush of an older
-        version must be measured against what the index holds, not against this failure, or it
-        would be skipped as overtaken and answered as durable while it is not."""
-        if self._index_issued.get(key) != order:
-            return
+        before. If no later update about the name was issued since (nor another of this order
+        is pending), a flush of an older version must be measured against what the index holds
+        and the name's last delete, not against this failure, or it would be skipped as
+        overtaken and answered as durable while it is not."""
+        if self._index_issued.get(key) != order or self._index_pending.get(key, 0) > 1:
+            return  # a later update, or another of this order, is still to come: it decides
         indexed = self._indexed.get(key)
-        if indexed is not None:
-            self._index_issued[key] = indexed.indexed_order
-        else:
+        floor = max(self._delete_marks.get(key, (0, 0)),
+                    indexed.indexed_order if indexed is not None else (0, 0))
+        if floor == (0, 0):
             self._index_issued.pop(key, None)
+        else:
+            self._index_issued[key] = floor
 
     def _index_done(self, key: Key, error: InfinityError | None) -> None:
         """One index transaction about `key` ended (transactions end in the order they were
@@ -1133,6 +1139,7 @@ class TierManager:
         (only versions newer than any seen so far can start a flush after that)."""
         if key not in self._indexed and key not in self._index_pending and key not in self._flushing:
             self._index_issued.pop(key, None)
+            self._delete_marks.pop(key, None)
 
     def remove_durable(self, key: Key, done: Callback) -> bool:
         """After a delete: take the name out of the index too. True if that is under way and
@@ -1142,10 +1149,10 @@ class TierManager:
         if key in self._flushing:
             # A flush of a version of this name is still writing: when it gets to the index,
             # this delete must win over it.
-            self._index_issued[key] = (self._catalog.next_stamp(), 0)
+            self._index_issued[key] = self._delete_marks[key] = (self._catalog.next_stamp(), 0)
         if key not in self._indexed and key not in self._index_pending:
             return False
-        order = self._index_issued[key] = (self._catalog.next_stamp(), 0)
+        order = self._index_issued[key] = self._delete_marks[key] = (self._catalog.next_stamp(), 0)
         self._index_pending[key] = self._index_pending.get(key, 0) + 1
 
         def removed(future: Future[None]) -> None:
@@ -1159,6 +1166,8 @@ class TierManager:
                     old.indexed = False
                     self._release_copy(old)
             else:
+                if self._delete_marks.get(key) == order:
+                    del self._delete_marks[key]  # the index still holds the name
                 self._index_failed(key, order)
             self._index_done(key, error)
             self._forget_order(key)

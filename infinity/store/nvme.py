@@ -214,6 +214,7 @@ class NvmeDirectory:
         self.opened_bytes = size  # the file's size when opened: 0 if this just created it
         self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
         self._grow_lock = threading.Lock()  # one fallocate at a time per file
+        self.keeps_index_room = index == 0  # set by the tier: on the index's file system
         # Counters, kept as I/O is submitted (the monitor reads them per directory).
         self.bytes_read = 0
         self.bytes_written = 0
@@ -249,7 +250,8 @@ class NvmeDirectory:
         growable = self.capacity_bytes - self.allocator.capacity_bytes
         available = self._file_system_available_bytes()
         if available is not None:
-            growable = min(growable, available)
+            kept = INDEX_ROOM_BYTES if self.keeps_index_room else 0
+            growable = max(0, min(growable, available - kept))
         return self.allocator.free_bytes + growable
 
     def _file_system_available_bytes(self) -> int | None:
@@ -294,7 +296,7 @@ class NvmeDirectory:
                     tail = self.allocator.free_tail_bytes()
             need = max(PAGE_BYTES, round_up(nbytes, PAGE_BYTES) - tail)
             target = min(self.capacity_bytes, current + max(self.grow_bytes, need))
-            if self.index == 0:
+            if self.keeps_index_room:
                 target = self._leave_room_for_the_index(current, need, target)
             try:
                 os.posix_fallocate(self.fd, current, target - current)
@@ -402,6 +404,11 @@ class NvmeTier:
         except BaseException:
             self.close()
             raise
+        # The store's index lives in the first directory: every directory on its file system
+        # leaves it room (several directories may share one file system).
+        index_device = os.stat(self.directories[0].path).st_dev
+        for directory in self.directories:
+            directory.keeps_index_room = os.stat(directory.path).st_dev == index_device
 
     # --- layout -----------------------------------------------------------
 
