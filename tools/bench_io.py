@@ -138,8 +138,10 @@ class StoreContender:
         in_flight = settings["in_flight"]
         io = IOConfig(block_size_bytes=settings["block_size_bytes"], queue_depth=settings["queue_depth"],
                       num_threads=settings["num_threads"])
-        nvme = NvmeConfig(dirs=(self.dir,), capacity_bytes_per_dir=(self.count + 1) * self.tensor_bytes,
-                          stripe_bytes=self.tensor_bytes, file_grow_bytes=256 * MiB)
+        # One stripe per tensor; the tier takes whole MiB stripes and 4 KiB capacities only.
+        stripe = -(-self.tensor_bytes // MiB) * MiB
+        nvme = NvmeConfig(dirs=(self.dir,), capacity_bytes_per_dir=(self.count + 1) * stripe,
+                          stripe_bytes=stripe, file_grow_bytes=256 * MiB)
         if mode == "write":  # fresh: a new extent file, grown (fallocate) inside the timed region
             self.layouts = []
             path = os.path.join(self.dir, EXTENT_FILE_NAME)
