@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     import torch
 
 PAGE_BYTES = 4096
-# Room the first directory's extent file leaves on its file system for the store's index (its
-# write-ahead log grows with every delete and flush, a few pages each).
+# Room the extent files on the index's file system (the first directory's) leave it: its
+# write-ahead log grows with every delete and flush, a few pages each.
 INDEX_ROOM_BYTES = 1 << 20
 CRC_BLOCK_BYTES = 1 * MiB
 EXTENT_FILE_NAME = "infinity-extents.dat"
@@ -265,7 +265,7 @@ class NvmeDirectory:
 
     def _leave_room_for_the_index(self, current: int, need: int, target: int) -> int:
         """The store's index lives in the first directory, and every delete and flush writes
-        to it: the extent file must not take the file system's last bytes, or neither could
+        to it: no extent file on its file system may take the last bytes, or neither could
         run again to free space. What growth to `target` may take, keeping INDEX_ROOM_BYTES."""
         available = self._file_system_available_bytes()
         if available is None:
