@@ -52,14 +52,6 @@ if TYPE_CHECKING:
 _QUIET_GETS = 8  # gets before asking again after an empty `upcoming`
 _MAX_WINDOW_BYTES = 1 << 62  # what `upcoming` may be asked for at most (the wire's integers)
 _OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
-
-
-def _device_full(exc: BaseException) -> bool:
-    """Whether a copy failed for want of device memory: torch's error (its CUDA one is the
-    same class since 2.5), or, from torch's CPU allocator (`CpuCopier`), a RuntimeError that
-    says so only in words."""
-    return isinstance(exc, _OUT_OF_MEMORY) or (
-        type(exc) is RuntimeError and "DefaultCPUAllocator" in str(exc))
 _CUDA_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # CUDA pins belong to the process, not to one copier: start address -> end of each pinned range.
 _pins_lock = threading.Lock()
@@ -98,6 +90,14 @@ def _clear_cuda_error(device: torch.device) -> None:
     except RuntimeError:
         pass
 
+
+
+def _device_full(exc: BaseException) -> bool:
+    """Whether a copy failed for want of device memory: torch's error (its CUDA one is the
+    same class since 2.5), or, from torch's CPU allocator (`CpuCopier`), a RuntimeError that
+    says so only in words."""
+    return isinstance(exc, _OUT_OF_MEMORY) or (
+        type(exc) is RuntimeError and "DefaultCPUAllocator" in str(exc))
 
 class DeviceCopier(Protocol):
     """Moves a CPU-tier view into device memory."""

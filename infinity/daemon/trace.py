@@ -303,8 +303,6 @@ class Replay:
         remaining = len(self.trace) - self.position
         if self.diverged or self.unexpected_run or remaining >= self.window:
             return False
-        if len(self.off_trace) < self.recurring_off_trace_limit() or not off_trace_before:
-            return True
         return len(self.off_trace & off_trace_before) < self.recurring_off_trace_limit()
 
     def recurring_off_trace_limit(self) -> int:

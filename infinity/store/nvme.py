@@ -443,8 +443,9 @@ class NvmeTier:
                 f"a tensor of {nbytes} bytes needs {largest} in one directory, more than its "
                 f"nvme.capacity_bytes_per_dir of {self.config.capacity_bytes_per_dir}; raise "
                 f"that setting or add directories to nvme.dirs")
-        with self._lock:
-            room = [directory.room_bytes for directory in self.directories]
+        # Without the lock: room only picks where the deal starts, and a stale figure costs a
+        # retry at most, while each one asks the file system (statvfs), which may be slow.
+        room = [directory.room_bytes for directory in self.directories]
         # The deal starts at the directory with the most room; where the tensor does not fit
         # from there (free space in pieces, a file system full), from the next one, and so on.
         failure: StoreFullError | DiskFullError | None = None
