@@ -248,6 +248,8 @@ class NvmeDirectory:
         """What more it may hold: free space in its file, and what the file may still grow,
         as far as its file system has room for that."""
         growable = self.capacity_bytes - self.allocator.capacity_bytes
+        if growable <= 0:
+            return self.allocator.free_bytes  # a file at its full size: no need to ask (statvfs)
         available = self._file_system_available_bytes()
         if available is not None:
             kept = INDEX_ROOM_BYTES if self.keeps_index_room else 0
@@ -445,7 +447,8 @@ class NvmeTier:
                 f"that setting or add directories to nvme.dirs")
         # Without the lock: room only picks where the deal starts, and a stale figure costs a
         # retry at most, while each one asks the file system (statvfs), which may be slow.
-        room = [directory.room_bytes for directory in self.directories]
+        room = ([directory.room_bytes for directory in self.directories] if num_dirs > 1
+                else [0])  # one directory: nothing to pick
         # The deal starts at the directory with the most room; where the tensor does not fit
         # from there (free space in pieces, a file system full), from the next one, and so on.
         failure: StoreFullError | DiskFullError | None = None
