@@ -450,6 +450,31 @@ def test_a_prefetch_under_way_does_not_count_twice_against_its_namespace_quota()
     assert sched.victims_for_prefetch(order[3], candidates, MiB) == [filler]
 
 
+def test_quota_victims_are_counted_in_tensor_bytes_not_in_the_slices_they_free() -> None:
+    # 3 MiB holds two of these tensors; a slice of one is rounded up to 4 KiB, a little more
+    # than the tensor, and counted at that size one victim would seem to cover the excess.
+    layer = 257 * 1021 * 4
+    slice_bytes = -(-layer // 4096) * 4096
+    sched = scheduler(32, namespace_quota_bytes=(("ns", 3 * MiB),))
+    for i in range(3):  # the quota's two and one demand load past it
+        make_resident(sched, k(i), float(i), nbytes=layer)
+    candidates = {k(i): slice_bytes for i in range(3)}
+    victims = sched.victims_for_prefetch(k(3), candidates, 0, nbytes=layer)
+    assert victims is not None and len(victims) == 2  # 4 - 2 layers; one would leave it over
+
+
+def test_eviction_takes_an_over_quota_namespace_back_under_counting_tensor_bytes() -> None:
+    layer = 257 * 1021 * 4  # as above: four of them are over 3 MiB by less than one slice
+    slice_bytes = -(-layer // 4096) * 4096
+    sched = scheduler(32, namespace_quota_bytes=(("ns", 3 * MiB),))
+    make_resident(sched, k(0, "free"), 0.0, nbytes=layer)  # the least recently used
+    for i in range(4):
+        make_resident(sched, k(i), 1.0 + i, nbytes=layer)
+    candidates = {key: slice_bytes for key in [k(0, "free"), *keys(4)]}
+    # Two slices of room: both from "ns", which one victim leaves a little over its quota.
+    assert sched.policy.choose_victims(candidates, 2 * slice_bytes) == [k(0), k(1)]
+
+
 def test_nothing_is_planned_twice() -> None:
     sched = scheduler(lookahead_max_fraction=1.0)
     order = keys(8)

@@ -1000,7 +1000,7 @@ class Scheduler:
                     chosen.append(key)
                     picked.add(key)
                     got += nbytes
-                    over[key[0]] -= nbytes
+                    over[key[0]] -= self._resident[key].nbytes  # the namespace's unit, not the slice's
         if got < need_bytes:
             for _, key, nbytes in self._allowed_order(allowed):
                 if got >= need_bytes:
@@ -1029,7 +1029,6 @@ class Scheduler:
     def _prefetch_victims(self, key: TensorKey, allowed: AbstractSet[TensorKey] | Mapping[TensorKey, Any],
                           need_bytes: int, nbytes: int | None) -> list[TensorKey] | None:
         need_s = self._need_s(key)
-        pool = _VictimPool(self._allowed_order(allowed))
         victims: list[tuple[TensorKey, int]] = []
         quota = self.config.quota_bytes(key[0])
         if quota is not None:
@@ -1037,11 +1036,20 @@ class Scheduler:
             own = 0 if key in self._inflight else (
                 nbytes if nbytes is not None else self._sizes.get(key, 0))
             excess = self._namespace_bytes.get(key[0], 0) + own - quota
-            picked = pool.pick(excess, later_than_s=need_s, namespace=key[0])
+            # In tensor bytes, as the namespace counts them: the candidates' values are the CPU
+            # bytes each frees, its slice rounded up to the arena's alignment, and victims counted
+            # at that size could leave the namespace over its quota by the difference.
+            in_tensor_bytes = (item for item in self._eviction_order() if item[1] in allowed)
+            picked = _VictimPool(in_tensor_bytes).pick(excess, later_than_s=need_s,
+                                                       namespace=key[0])
             if picked is None:
                 return None
             victims += picked
-        short = need_bytes - sum(nbytes for _, nbytes in victims)
+        freed = allowed if isinstance(allowed, Mapping) else None  # CPU bytes, for the room
+        short = need_bytes - sum(int(freed[k]) if freed is not None else n for k, n in victims)
+        # A walk of its own; the one above is left half-way and never resumed, so the heaps
+        # this one prunes at its start cannot change under it.
+        pool = _VictimPool(self._allowed_order(allowed))
         picked = pool.pick(short, later_than_s=need_s, exclude=frozenset(k for k, _ in victims))
         if picked is None:
             return None

@@ -851,10 +851,16 @@ class TierManager:
         if victims is None:
             return False
         if not short:
+            pending = False
             for key in victims:
                 victim = self.resident.get(key)
-                if victim is not None and key in self.candidates:
-                    self._let_go(victim)
+                if victim is not None and key in self.candidates and not self._let_go(victim):
+                    pending = True
+            if pending:
+                # A dirty victim stays in the tier, and in its namespace, until its write-back
+                # ends: loading now would hold the namespace past its quota until then. Its
+                # eviction asks for a new plan (on_change), which brings the prefetch back.
+                return False
         return True
 
     def _check_fits(self, version: Version) -> None:
