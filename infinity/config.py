@@ -64,7 +64,10 @@ class IOConfig:
 
     backend: str = "auto"  # auto | io_uring | aio | threads
     block_size_bytes: int = 1 * MiB
-    queue_depth: int = 32
+    # Chunks each worker keeps in flight. Enough to keep the disk busy (1 MiB x 16 x 2 workers is
+    # 32 MiB), and no more: a deeper queue serves every op in flight at once, so a tensor loaded
+    # ahead of another arrives no sooner than it (docs/BENCHMARKS.md, bench_overlap).
+    queue_depth: int = 16
     num_threads: int = 0  # 0: min(4, cores)
     # Each worker thread's staging memory for staged ops (`nvme.staged_reads`, `staged_writes`),
     # in whole blocks
@@ -147,7 +150,9 @@ class CpuTierConfig:
 
     budget_bytes: int = 4 * GiB
     segment_bytes: int = 256 * MiB
-    hugepages: bool = True  # use huge pages where the system allows, silently fall back
+    # Huge pages where the system allows (MADV_HUGEPAGE, else MADV_COLLAPSE once prefaulted);
+    # silently 4 KiB pages where it does not. Also what lets NVMe loads run at the disk's speed.
+    hugepages: bool = True
     lock: bool = False  # mlock the segments (needs RLIMIT_MEMLOCK >= budget)
     prefault: bool = True
     # The share of the budget that may hold spare reservations: after a `put`, the daemon keeps

@@ -15,6 +15,7 @@
 #include "engine.h"
 #include "errors.h"
 #include "kaio.h"
+#include "shared_memory.h"
 #include "uring.h"
 
 namespace py = pybind11;
@@ -136,6 +137,17 @@ PYBIND11_MODULE(_native, m) {
       },
       "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
       "Copy nbytes from src to dst (disjoint), with streaming stores for large copies.");
+  m.def(
+      "collapse_shared_memory",
+      [](int fd, int64_t nbytes) {
+        if (nbytes < 0) throw py::value_error("nbytes is " + std::to_string(nbytes) + "; it must be >= 0");
+        py::gil_scoped_release nogil;
+        return infinity::collapse_shared_memory(fd, static_cast<size_t>(nbytes));
+      },
+      "fd"_a, "nbytes"_a,
+      "Give the first nbytes of shared-memory file fd 2 MiB pages (MADV_COLLAPSE); returns 0 "
+      "or madvise's errno (EINVAL: unsupported or denied; ENOMEM, EAGAIN: memory too "
+      "fragmented). Raises OSError when the temporary mapping cannot be made.");
   m.def("copy_implementation", &infinity::copy_implementation);
   m.def("crc32c_implementation", &infinity::crc32c_implementation);
   m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");

@@ -108,11 +108,21 @@ def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pyte
     files = {"/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never",
              "/proc/meminfo": "HugePages_Total:       0\n"}
     monkeypatch.setattr(doctor, "_read", lambda path: files.get(path))
+    # And the kernel's MADV_COLLAPSE, which gives shared memory huge pages whatever
+    # shmem_enabled says (but "deny"): taken as missing first.
+    collapse = (False, "the kernel has no MADV_COLLAPSE")
+    monkeypatch.setattr(doctor, "probe_shared_memory_collapse", lambda: collapse)
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
     finding = doctor.check_hugepages()
     assert finding.status == "warn" and "shmem_enabled" in finding.advice
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size [advise] never deny force"
     assert doctor.check_hugepages().status == "ok"
+    collapse = (True, "")
+    files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
+    finding = doctor.check_hugepages()
+    assert finding.status == "ok" and "MADV_COLLAPSE" in finding.seen
+    files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise never [deny] force"
+    assert doctor.check_hugepages().status == "warn"
 
 
 def test_tune_on_a_drive_without_room_for_its_probe_says_so(tiny_tmpfs_dir: str) -> None:

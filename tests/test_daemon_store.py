@@ -38,6 +38,28 @@ def test_a_name_in_many_namespaces_gives_a_short_not_found_message(client: Any) 
         client.get_many(["w"] * 2000, namespace="elsewhere")  # was a 150 MB reply
 
 
+def test_the_tiers_segments_get_huge_pages_where_the_kernel_can_collapse_shared_memory(
+        client: Any) -> None:
+    import errno
+    import os
+
+    from infinity import _native
+
+    fd = os.memfd_create("probe")
+    try:
+        os.ftruncate(fd, 2 << 20)
+        os.pwrite(fd, b"x", 0)
+        if _native.collapse_shared_memory(fd, 2 << 20) in (errno.EINVAL, errno.ENOMEM, errno.EAGAIN):
+            pytest.skip("this kernel gives shared memory no huge pages (MADV_COLLAPSE)")
+    finally:
+        os.close(fd)
+    client.put("w", torch.arange(1000.0))  # the first segment is made on demand
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["allocated_bytes"] > 0 and cpu["huge_page_bytes"] == cpu["allocated_bytes"]
+    with client.get("w") as view:
+        assert torch.equal(view, torch.arange(1000.0))
+
+
 def test_tensor_larger_than_the_whole_tier_is_too_large(client: Any) -> None:
     with pytest.raises(TooLargeError, match="cpu.budget_bytes"):
         client.reserve({"huge": (torch.uint8, (65 * MiB,))})

@@ -128,6 +128,21 @@ SCRIPT = textwrap.dedent(
     for size, shift, threads in ((0, 0, 1), (5, 3, 1), (MiB + 77, 1, 1), (40 * MiB + 3, 5, 3)):
         n.copy_bytes(out.address + shift, big.address + 7, size, threads)
         assert bytes(memoryview(out)[shift:shift + size]) == bytes(memoryview(big)[7:7 + size])
+
+    # Huge pages for shared memory: a memfd with bytes in it, an odd length, a bad fd.
+    fd = os.memfd_create("asan")
+    os.ftruncate(fd, 4 * MiB + 4096)
+    os.pwrite(fd, data[:MiB], 4096)
+    assert n.collapse_shared_memory(fd, 4 * MiB + 4096) in (0, errno.EINVAL, errno.ENOMEM, errno.EAGAIN)
+    assert os.pread(fd, MiB, 4096) == data[:MiB]
+    assert n.collapse_shared_memory(fd, 4096) == 0  # under one huge page: nothing to do
+    os.close(fd)
+    try:
+        n.collapse_shared_memory(fd, 4 * MiB)
+    except OSError as exc:
+        assert exc.errno == errno.EBADF, exc
+    else:
+        raise AssertionError("a closed fd was mapped")
     print("ASAN-SCRIPT-OK")
     """
 )

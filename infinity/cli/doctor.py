@@ -21,6 +21,7 @@ from typing import Callable
 import psutil
 
 from infinity.config import GiB, InfinityConfig, MiB, load_config
+from infinity.io import probe_shared_memory_collapse
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ def check_hugepages() -> Finding:
     shmem_mode = _chosen(shmem) if shmem is not None else "not reported"
     seen = (f"transparent huge pages: {mode}; for shared memory (the CPU tier): {shmem_mode}; "
             f"reserved huge pages: {reserved}")
+    if shmem_mode in ("never", "not reported") and probe_shared_memory_collapse()[0]:
+        return Finding("huge pages", "ok", seen + "; the daemon collapses the CPU tier's shared "
+                       "memory into huge pages (MADV_COLLAPSE)")
     if shmem_mode in ("never", "deny", "not reported"):
         return Finding("huge pages", "warn", seen,
                        "the CPU tier gets 4 KiB pages, and NVMe loads into it are slower; "

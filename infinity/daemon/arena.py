@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from infinity.config import CpuTierConfig, MiB
-from infinity.errors import ConfigError, TierFullError, TooLargeError
+from infinity.errors import ConfigError, IOEngineError, TierFullError, TooLargeError
+from infinity.io.native import native
 from infinity.store.allocator import Extent, ExtentAllocator
 
 log = logging.getLogger("infinityd.arena")
@@ -116,6 +117,35 @@ def shmem_hugepages_allowed() -> bool:
     return chosen in ("always", "within_size", "advise", "force")
 
 
+def _prefault(mm: mmap.mmap, size_bytes: int) -> None:
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise TierFullError(
+                f"the system has no memory for a {size_bytes}-byte CPU-tier segment; "
+                f"lower cpu.budget_bytes or free memory") from None
+        for page in range(0, size_bytes, mmap.PAGESIZE):  # kernels before 5.14
+            mm[page] = 0
+
+
+def _collapse(fd: int, mm: mmap.mmap, size_bytes: int) -> bool:
+    """Huge pages for a prefaulted segment where shmem_enabled does not give them on request:
+    MADV_COLLAPSE (Linux 6.1+) copies its pages into 2 MiB ones. What decides is not the TLB but
+    the disk: O_DIRECT loads into scattered 4 KiB pages ran at a third of the disk's speed on
+    this project's VM (docs/BENCHMARKS.md). Whether it worked: False on older kernels, where
+    shmem_enabled is "deny", or where memory is too fragmented (those pages stay small)."""
+    try:
+        failed = native().collapse_shared_memory(fd, size_bytes)
+    except (OSError, IOEngineError) as exc:
+        log.debug("no huge pages for a CPU-tier segment: %s", exc)
+        return False
+    if failed:
+        log.debug("no huge pages for a CPU-tier segment: %s", os.strerror(failed))
+    _prefault(mm, size_bytes)  # the collapse unmapped this mapping's pages
+    return not failed
+
+
 def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
     """Create, map, prefault (and optionally lock) a segment. Blocking: runs off the loop thread."""
     fd = _shared_memory_fd(f"infinity-seg-{plan.segment}")
@@ -132,15 +162,9 @@ def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
             except OSError:
                 pass  # unsupported here: 4 KiB pages, as the setting promises
         if config.prefault:
-            try:
-                mm.madvise(_MADV_POPULATE_WRITE)
-            except OSError as exc:
-                if exc.errno == errno.ENOMEM:
-                    raise TierFullError(
-                        f"the system has no memory for a {plan.size_bytes}-byte CPU-tier segment; "
-                        f"lower cpu.budget_bytes or free memory") from None
-                for page in range(0, plan.size_bytes, mmap.PAGESIZE):  # kernels before 5.14
-                    mm[page] = 0
+            _prefault(mm, plan.size_bytes)
+            if config.hugepages and not hugepages:
+                hugepages = _collapse(fd, mm, plan.size_bytes)
         locked = False
         if config.lock:
             address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
@@ -334,4 +358,5 @@ class CpuArena:
             "num_segments": len(self.segments),
             "num_dedicated_segments": sum(1 for s in self.segments.values() if s.dedicated),
             "growing_bytes": self._planned_bytes,
+            "huge_page_bytes": sum(s.size_bytes for s in self.segments.values() if s.hugepages),
         }

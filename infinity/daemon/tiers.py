@@ -56,7 +56,7 @@ from infinity.daemon.policy import EvictionPolicy, default_policy
 from infinity.daemon.scheduler import Scheduler
 from infinity.errors import (ChecksumError, InfinityError, InvalidRequestError, IOEngineError,
                              LeaseError, StoreDirectoryError, TierFullError, TooLargeError)
-from infinity.io import IOEngine, IOFuture
+from infinity.io import IOEngine, IOFuture, probe_shared_memory_collapse
 from infinity.protocol import dtypes
 from infinity.store.durable import DurableIndex, DurableRecord
 from infinity.store.nvme import GrowthNeeded, NvmeTier, NvmeWrite, TensorLayout
@@ -186,10 +186,11 @@ _NO_SEGMENT = "no segment"  # a tensor over a segment's size, and no segment can
 def staged_wanted(config: InfinityConfig, setting: str) -> bool:
     """Whether a direction of NVMe I/O goes through the engine's staging memory, by its setting
     (nvme.staged_reads, nvme.staged_writes); auto: when the CPU tier's shared memory cannot get
-    huge pages, so that direct I/O scatters."""
+    huge pages (on request or by MADV_COLLAPSE), so that direct I/O scatters."""
     if setting != "auto":
         return setting == "on"
-    return not (config.cpu.hugepages and shmem_hugepages_allowed())
+    return not (config.cpu.hugepages and (shmem_hugepages_allowed()
+                                          or probe_shared_memory_collapse()[0]))
 
 
 def void(_: object) -> None:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from infinity.io.engine import IOEngine
 from infinity.io.errno_map import error_from_errno
 from infinity.io.future import IOFuture
-from infinity.io.native import probe_aio, probe_io_uring, simd_level
+from infinity.io.native import (probe_aio, probe_io_uring, probe_shared_memory_collapse,
+                                simd_level)
 from infinity.io.ops import CRC_BLOCK_BYTES, IOOp, crc_count
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "error_from_errno",
     "probe_aio",
     "probe_io_uring",
+    "probe_shared_memory_collapse",
     "round_up",
     "simd_level",
 ]

@@ -8,7 +8,10 @@ the extension's API for mypy (see docs/ARCHITECTURE.md, "Native core").
 
 from __future__ import annotations
 
+import errno
+import functools
 import importlib
+import os
 import threading
 from typing import Protocol, Sequence, cast
 
@@ -81,6 +84,8 @@ class NativeModule(Protocol):
 
     def copy_implementation(self) -> str: ...
 
+    def collapse_shared_memory(self, fd: int, nbytes: int) -> int: ...
+
     def simd_level(self) -> str: ...
 
     def probe_io_uring(self) -> tuple[bool, str]: ...
@@ -122,3 +127,24 @@ def probe_io_uring() -> tuple[bool, str]:
 def probe_aio() -> tuple[bool, str]:
     """Whether kernel AIO works in this process, and a sentence saying why not."""
     return native().probe_aio()
+
+
+@functools.lru_cache(maxsize=None)
+def probe_shared_memory_collapse() -> tuple[bool, str]:
+    """Whether this kernel turns shared memory (a memfd) into huge pages on request
+    (MADV_COLLAPSE, Linux 6.1+), whatever shmem_enabled says; and a sentence saying why not.
+    Tried once per process on 2 MiB."""
+    fd = os.memfd_create("infinity-probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 2 << 20)
+        os.pwrite(fd, b"\0", 0)  # a page to collapse: an empty file has none
+        failed = native().collapse_shared_memory(fd, 2 << 20)
+    except (OSError, IOEngineError) as exc:
+        return False, f"the probe failed: {exc}"
+    finally:
+        os.close(fd)
+    if failed == errno.EINVAL:
+        return False, "the kernel has no MADV_COLLAPSE for shared memory (Linux 6.1+), or shmem_enabled is deny"
+    if failed:
+        return False, f"MADV_COLLAPSE failed: {os.strerror(failed)} (memory too fragmented?)"
+    return True, ""

@@ -1,0 +1,90 @@
+"""collapse_shared_memory: 2 MiB pages for a memfd where shmem_enabled would not give them,
+its bytes kept, its errors."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from infinity import _native
+
+MiB = 1 << 20
+# Not reached for a reason of ours: the kernel lacks MADV_COLLAPSE (before 6.1), shmem huge
+# pages are denied, or no 2 MiB of contiguous memory is free right now.
+UNAVAILABLE = (errno.EINVAL, errno.ENOMEM, errno.EAGAIN)
+
+
+def shmem_huge_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("ShmemHugePages:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("this kernel does not report ShmemHugePages")
+
+
+@pytest.fixture
+def memfd() -> Iterator[int]:
+    fd = os.memfd_create("test-collapse", os.MFD_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def filled(fd: int, nbytes: int) -> bytes:
+    """Writes a pattern over the first nbytes (pages must be present to be collapsed)."""
+    os.ftruncate(fd, nbytes)
+    pattern = bytes(range(251)) * (nbytes // 251 + 1)
+    os.pwrite(fd, pattern[:nbytes], 0)
+    return pattern[:nbytes]
+
+
+def collapsed_or_skip(fd: int, nbytes: int) -> None:
+    failed = _native.collapse_shared_memory(fd, nbytes)
+    if failed in UNAVAILABLE:
+        pytest.skip(f"no huge pages for shared memory here: {os.strerror(failed)}")
+    assert failed == 0
+
+
+def test_collapse_gives_the_file_huge_pages_and_keeps_its_bytes(memfd: int) -> None:
+    nbytes = 8 * MiB + 12288  # four huge pages and a tail that stays in small ones
+    expected = filled(memfd, nbytes)
+    before = shmem_huge_bytes()
+    collapsed_or_skip(memfd, nbytes)
+    assert shmem_huge_bytes() - before >= 8 * MiB
+    assert os.pread(memfd, nbytes, 0) == expected
+
+
+def test_a_mapping_made_before_the_collapse_sees_the_same_bytes(memfd: int) -> None:
+    expected = filled(memfd, 4 * MiB)
+    mm = mmap.mmap(memfd, 4 * MiB)
+    try:
+        collapsed_or_skip(memfd, 4 * MiB)
+        assert mm[:] == expected
+        mm[5] = 7  # and writes through it reach the file's new pages
+        assert os.pread(memfd, 1, 5) == b"\x07"
+    finally:
+        mm.close()
+
+
+def test_less_than_one_huge_page_is_left_alone(memfd: int) -> None:
+    filled(memfd, 2 * MiB - 4096)
+    assert _native.collapse_shared_memory(memfd, 2 * MiB - 4096) == 0
+
+
+def test_a_file_that_is_not_open_is_an_os_error() -> None:
+    fd = os.memfd_create("test-collapse-closed")
+    os.close(fd)
+    with pytest.raises(OSError) as info:
+        _native.collapse_shared_memory(fd, 4 * MiB)
+    assert info.value.errno == errno.EBADF
+    assert "huge pages" in str(info.value)
+
+
+def test_a_negative_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _native.collapse_shared_memory(0, -1)
