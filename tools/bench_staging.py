@@ -5,7 +5,7 @@
 
 JSON on stdout, progress on stderr. The engine (the daemon's `[io]` settings, CRC32C per MiB
 computed on write and verified on read) writes `--files` O_DIRECT files, 4 in flight, and reads
-them back, with three kinds of memory, taking turns each round so the machine's background load
+them back, with four kinds of memory, taking turns each round so the machine's background load
 falls on all alike:
 
 - private: anonymous memory on huge pages (the limit: what `bench_overlap` calls the
@@ -13,10 +13,13 @@ falls on all alike:
 - shared, direct: a fresh memfd mapping like a CPU-tier segment without shmem huge pages,
   each block moved straight to or from it;
 - shared, staged: the same memory, each block going through the engine's staging memory
-  (`IOOp.staged`, `nvme.staged_reads` / `staged_writes`) and a copy.
+  (`IOOp.staged`, `nvme.staged_reads` / `staged_writes`) and a copy;
+- shared, collapsed: another memfd mapping, prefaulted, then given 2 MiB pages with
+  MADV_COLLAPSE as the daemon's arena does where shmem_enabled gives none
+  (`_native.collapse_shared_memory`), each block moved straight to or from it.
 
 Reported: GB/s per direction, kind and round, and the medians of the per-round ratios staged /
-private and staged / direct. Every write's checksums and every read's bytes are checked.
+private, staged / direct and collapsed / private (with whether the collapse worked). Every write's checksums and every read's bytes are checked.
 """
 
 from __future__ import annotations
@@ -43,18 +46,26 @@ from bench_store import _bytes  # noqa: E402
 
 from infinity.config import load_config  # noqa: E402
 from infinity.io import IOEngine, IOOp, aligned_empty, crc32c  # noqa: E402
+from infinity.io.native import native  # noqa: E402
 
 MiB = 1024 * 1024
 IN_FLIGHT = 4
 _MADV_POPULATE_WRITE = 23
 
 
-def _shared_memory(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int]:
+def _shared_memory(nbytes: int, *, collapse: bool = False
+                   ) -> tuple[torch.Tensor, mmap.mmap, int, int | None]:
+    """A prefaulted memfd mapping, as the daemon's segments are; collapse=True: then given huge
+    pages as the arena does. The last item: the collapse's errno (0: done), None if not asked."""
     fd = os.memfd_create("infinity-bench-staging")
     os.ftruncate(fd, nbytes)
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    mm.madvise(_MADV_POPULATE_WRITE)  # prefaulted, as the daemon's segments are
-    return torch.frombuffer(mm, dtype=torch.uint8), mm, fd  # type: ignore[call-overload]
+    mm.madvise(_MADV_POPULATE_WRITE)
+    failed = None
+    if collapse:
+        failed = native().collapse_shared_memory(fd, nbytes)
+        mm.madvise(_MADV_POPULATE_WRITE)  # the collapse unmapped this mapping's pages
+    return torch.frombuffer(mm, dtype=torch.uint8), mm, fd, failed  # type: ignore[call-overload]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             fds.append(fd)
         private = aligned_empty(window)
         private.fill_(1)  # faulted in from user space: huge pages where THP allows
-        shared, mm, memfd = _shared_memory(window)
-        kinds = ["private", "shared_direct", "shared_staged"]
+        shared, mm, memfd, _ = _shared_memory(window)
+        collapsed, collapsed_mm, collapsed_fd, collapse_failed = _shared_memory(window, collapse=True)
+        kinds = ["private", "shared_direct", "shared_staged", "shared_collapsed"]
         results: dict[str, list[float]] = {f"{d}_{k}": [] for d in ("write", "read") for k in kinds}
         written = array.array("I", bytes(4 * len(crcs)))  # what each write computes
         with IOEngine.from_config(config.io) as engine, Progress(console=console) as progress:
@@ -100,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                 return count * size / (time.perf_counter() - start) / 1e9
 
             for round_ in range(args.rounds):
-                for kind in kinds[round_ % 3:] + kinds[:round_ % 3]:
-                    buf, staged = (private if kind == "private" else shared), kind == "shared_staged"
+                for kind in kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]:
+                    buf = {"private": private, "shared_collapsed": collapsed}.get(kind, shared)
+                    staged = kind == "shared_staged"
                     for k in range(IN_FLIGHT):
                         buf[k * size:(k + 1) * size].copy_(pattern)
                     results[f"write_{kind}"].append(
@@ -115,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                         raise SystemExit(f"{kind}: the bytes read differ from those written")
                     progress.advance(task, 2)
             staged_bytes = engine.staged_bytes
-        del shared, buf
+        del shared, collapsed, buf
         mm.close()
+        collapsed_mm.close()
         os.close(memfd)
+        os.close(collapsed_fd)
     finally:
         for fd in fds:
             os.close(fd)
@@ -137,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             s / o for s, o in zip(results[f"{d}_shared_staged"], results[f"{d}_{ref}"])), 3)
            for d in ("write", "read") for other, ref in (("private", "private"),
                                                          ("direct", "shared_direct"))},
+        **{f"{d}_collapsed_over_private": round(statistics.median(
+            c / p for c, p in zip(results[f"{d}_shared_collapsed"], results[f"{d}_private"])), 3)
+           for d in ("write", "read")},
+        "collapse": "done" if collapse_failed == 0 else f"failed: {os.strerror(collapse_failed or 0)}",
         "staged_bytes": staged_bytes,
     }
     print(json.dumps(out, indent=1))
