@@ -154,6 +154,27 @@ def test_second_daemon_on_the_same_runtime_folder_is_refused(daemon: Any) -> Non
     daemon.assert_serving()
 
 
+def test_the_daemon_lifts_its_open_file_limit_from_the_shells_default(
+        daemon_factory: Any) -> None:
+    import resource
+
+    # Started with the soft limit most shells give (1024), under a higher hard one: the daemon
+    # needs an open file per client thread's socket, per client's pidfd and fd channel.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit on open files here is {hard}: nothing to lift")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        daemon = daemon_factory()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(f"/proc/{daemon.process.pid}/limits") as f:
+        (line,) = [line for line in f if line.startswith("Max open files")]
+    daemon_soft = int(line.split()[3])
+    expected = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    assert daemon_soft == expected > 1024
+
+
 def test_runtime_folder_is_created_private_to_the_user(daemon: Any) -> None:
     info = os.stat(daemon.runtime_dir)
     assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import resource
 import select
 import signal
 import stat
@@ -27,6 +28,26 @@ from infinity.protocol.paths import RuntimeLayout, child_environment
 READY_MESSAGE = b"ready\n"
 # How long a daemon retries the lock: a client probing it holds it for microseconds.
 LOCK_RETRY_S = 0.5
+
+
+# What the daemon asks for when the hard limit allows more (or is unlimited): every client
+# thread's socket, every client's pidfd and fd channel, every segment's memfd are open files.
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft limit on open files towards the hard one (shells start most processes at
+    1024: a few hundred clients' sockets, pidfds and channels); returns the limit now in force.
+    A daemon that cannot raise it runs with what it has."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def prepare_runtime_dir(layout: RuntimeLayout) -> None:

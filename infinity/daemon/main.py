@@ -38,6 +38,8 @@ def _run(config: InfinityConfig, args: argparse.Namespace) -> int:
         level=config.daemon.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s infinityd[%(process)d] %(levelname)s %(name)s: %(message)s")
     lifecycle.prepare_runtime_dir(layout)
+    open_files = lifecycle.raise_open_file_limit()
+    logging.getLogger("infinityd").debug("open files: at most %d", open_files)
     lock = lifecycle.RuntimeLock(layout)
     lock.acquire()
     daemon: Daemon | None = None
