@@ -1,6 +1,7 @@
 #include "shared_memory.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -43,7 +44,15 @@ class Reservation {
 }  // namespace
 
 int collapse_shared_memory(int fd, size_t nbytes) {
-  const size_t huge = nbytes / kHugePageBytes * kHugePageBytes;
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    throw SysError(err, "fstat of shared memory (fd " + std::to_string(fd) +
+                            ") to give it huge pages failed: " + errno_text(err));
+  }
+  // Not past the file's end: a huge page there would be memory the file cannot hand out.
+  const size_t size = st.st_size > 0 ? static_cast<size_t>(st.st_size) : 0;
+  const size_t huge = (nbytes < size ? nbytes : size) / kHugePageBytes * kHugePageBytes;
   if (huge == 0) return 0;  // nothing a huge page could hold
   Reservation space(huge + kHugePageBytes);
   const uintptr_t start = reinterpret_cast<uintptr_t>(space.base());

@@ -9,7 +9,9 @@ namespace infinity {
 // MADV_COLLAPSE (Linux 6.1+), which, unlike MADV_HUGEPAGE, does not depend on
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled being on (only "deny" refuses it).
 // Physically contiguous pages matter to a disk: DMA into scattered 4 KiB pages splits each
-// request into many segments. Pages present keep their bytes; holes are filled with zeros.
+// request into many segments. Pages present keep their bytes; holes are filled with zeros, but
+// each 2 MiB range needs one page present (the kernel refuses a range that is all hole). Only
+// whole 2 MiB ranges within both nbytes and the file's size are collapsed.
 // Works through a temporary mapping at a 2 MiB-aligned address (a file's huge pages must
 // line up with the mapping's); the caller's mappings of fd see the new pages.
 // Returns 0, or the errno of madvise: EINVAL (kernel without it, or denied), ENOMEM or

@@ -116,6 +116,9 @@ def test_staging_auto_follows_whether_shared_memory_gets_huge_pages() -> None:
     config = load_config(env={}, overrides=["cpu.hugepages=true"])
     huge = shmem_hugepages_allowed() or probe_shared_memory_collapse()[0]
     assert staged_wanted(config, "auto") is not huge
+    # Segments are collapsed only when prefaulted.
+    lazy = load_config(env={}, overrides=["cpu.hugepages=true", "cpu.prefault=false"])
+    assert staged_wanted(lazy, "auto") is not shmem_hugepages_allowed()
 
 
 def test_staging_bytes_must_be_positive() -> None:

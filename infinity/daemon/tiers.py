@@ -189,8 +189,8 @@ def staged_wanted(config: InfinityConfig, setting: str) -> bool:
     huge pages (on request or by MADV_COLLAPSE), so that direct I/O scatters."""
     if setting != "auto":
         return setting == "on"
-    return not (config.cpu.hugepages and (shmem_hugepages_allowed()
-                                          or probe_shared_memory_collapse()[0]))
+    collapsed = config.cpu.prefault and probe_shared_memory_collapse()[0]  # see create_segment
+    return not (config.cpu.hugepages and (shmem_hugepages_allowed() or collapsed))
 
 
 def void(_: object) -> None:
@@ -852,16 +852,10 @@ class TierManager:
         if victims is None:
             return False
         if not short:
-            pending = False
             for key in victims:
                 victim = self.resident.get(key)
-                if victim is not None and key in self.candidates and not self._let_go(victim):
-                    pending = True
-            if pending:
-                # A dirty victim stays in the tier, and in its namespace, until its write-back
-                # ends: loading now would hold the namespace past its quota until then. Its
-                # eviction asks for a new plan (on_change), which brings the prefetch back.
-                return False
+                if victim is not None and key in self.candidates:
+                    self._let_go(victim)
         return True
 
     def _check_fits(self, version: Version) -> None:

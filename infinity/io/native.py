@@ -134,15 +134,17 @@ def probe_shared_memory_collapse() -> tuple[bool, str]:
     """Whether this kernel turns shared memory (a memfd) into huge pages on request
     (MADV_COLLAPSE, Linux 6.1+), whatever shmem_enabled says; and a sentence saying why not.
     Tried once per process on 2 MiB."""
-    fd = os.memfd_create("infinity-probe", os.MFD_CLOEXEC)
+    fd = -1
     try:
+        fd = os.memfd_create("infinity-probe", os.MFD_CLOEXEC)
         os.ftruncate(fd, 2 << 20)
-        os.pwrite(fd, b"\0", 0)  # a page to collapse: an empty file has none
+        os.pwrite(fd, b"\0", 0)  # a page to collapse: a range that is all hole is refused
         failed = native().collapse_shared_memory(fd, 2 << 20)
     except (OSError, IOEngineError) as exc:
         return False, f"the probe failed: {exc}"
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     if failed == errno.EINVAL:
         return False, "the kernel has no MADV_COLLAPSE for shared memory (Linux 6.1+), or shmem_enabled is deny"
     if failed:
