@@ -150,7 +150,7 @@ class CpuTierConfig:
 
     budget_bytes: int = 4 * GiB
     segment_bytes: int = 256 * MiB
-    # Huge pages where the system allows (MADV_HUGEPAGE, else MADV_COLLAPSE once prefaulted);
+    # Huge pages where the system allows (MADV_HUGEPAGE, else MADV_COLLAPSE with prefault);
     # silently 4 KiB pages where it does not. Also what lets NVMe loads run at the disk's speed.
     hugepages: bool = True
     lock: bool = False  # mlock the segments (needs RLIMIT_MEMLOCK >= budget)
