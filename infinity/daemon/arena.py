@@ -30,10 +30,10 @@ from infinity.io.native import native
 from infinity.store.allocator import Extent, ExtentAllocator
 
 log = logging.getLogger("infinityd.arena")
-_HUGE_PAGE_BYTES = 2 * MiB
 
 ALIGNMENT_BYTES = 4096
 SEGMENT_GRANULE_BYTES = 2 * MiB
+_HUGE_PAGE_BYTES = 2 * MiB  # what MADV_COLLAPSE makes
 POISON_BYTE = 0xFF  # every float dtype reads 0xFF..FF as NaN, so stale reads stand out
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module does not name it yet
 
