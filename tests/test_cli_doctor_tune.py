@@ -104,7 +104,9 @@ def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pyte
     # setting. Sysfs is read through doctor._read, replaced here: the machine's own setting
     # is not something a test should change.
     from infinity.cli import doctor
+    from infinity.config import load_config
 
+    config = load_config(env={})
     files = {"/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never",
              "/proc/meminfo": "HugePages_Total:       0\n"}
     monkeypatch.setattr(doctor, "_read", lambda path: files.get(path))
@@ -113,16 +115,19 @@ def test_doctor_judges_huge_pages_by_the_shared_memory_setting(monkeypatch: pyte
     collapse = (False, "the kernel has no MADV_COLLAPSE")
     monkeypatch.setattr(doctor, "probe_shared_memory_collapse", lambda: collapse)
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
-    finding = doctor.check_hugepages()
+    finding = doctor.check_hugepages(config)
     assert finding.status == "warn" and "shmem_enabled" in finding.advice
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size [advise] never deny force"
-    assert doctor.check_hugepages().status == "ok"
+    assert doctor.check_hugepages(config).status == "ok"
     collapse = (True, "")
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
-    finding = doctor.check_hugepages()
+    finding = doctor.check_hugepages(config)
     assert finding.status == "ok" and "MADV_COLLAPSE" in finding.seen
     files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise never [deny] force"
-    assert doctor.check_hugepages().status == "warn"
+    assert doctor.check_hugepages(config).status == "warn"
+    # Segments are collapsed only when prefaulted.
+    files["/sys/kernel/mm/transparent_hugepage/shmem_enabled"] = "always within_size advise [never] deny force"
+    assert doctor.check_hugepages(load_config(env={}, overrides=["cpu.prefault=false"])).status == "warn"
 
 
 def test_tune_on_a_drive_without_room_for_its_probe_says_so(tiny_tmpfs_dir: str) -> None:

@@ -39,7 +39,7 @@ def test_a_name_in_many_namespaces_gives_a_short_not_found_message(client: Any) 
 
 
 def test_the_tiers_segments_get_huge_pages_where_the_kernel_can_collapse_shared_memory(
-        client: Any) -> None:
+        daemon: RunningDaemon, client: Any) -> None:
     import errno
     import os
 
@@ -55,6 +55,10 @@ def test_the_tiers_segments_get_huge_pages_where_the_kernel_can_collapse_shared_
         os.close(fd)
     client.put("w", torch.arange(1000.0))  # the first segment is made on demand
     cpu = client.stats()["tiers"]["cpu"]
+    if cpu["huge_page_bytes"] < cpu["allocated_bytes"]:
+        with open(daemon.log_path) as log:
+            if "keeps 4 KiB pages" in log.read():  # the probe's 2 MiB were had, 8 were not
+                pytest.skip("memory here is too fragmented for the segment's huge pages now")
     assert cpu["allocated_bytes"] > 0 and cpu["huge_page_bytes"] == cpu["allocated_bytes"]
     with client.get("w") as view:
         assert torch.equal(view, torch.arange(1000.0))
@@ -63,8 +67,25 @@ def test_the_tiers_segments_get_huge_pages_where_the_kernel_can_collapse_shared_
     client.abort(["fresh"])
 
 
+def test_a_new_segment_reads_as_zeros_whatever_pages_it_got() -> None:
+    # The collapse writes a byte into each 2 MiB first: it must be a zero.
+    from infinity.config import CpuTierConfig
+    from infinity.daemon.arena import SegmentPlan, create_segment
+
+    size = 6 * MiB  # three huge pages, as a dedicated segment may have
+    segment = create_segment(SegmentPlan(1, size, True), CpuTierConfig(hugepages=True, prefault=True))
+    try:
+        assert segment.mm[:] == bytes(size)
+    finally:
+        segment.destroy()
+
+
 def test_without_prefault_the_segments_take_no_memory_up_front_and_stay_small_pages(
         daemon_factory: Any) -> None:
+    from infinity.daemon.arena import shmem_hugepages_allowed
+
+    if shmem_hugepages_allowed():
+        pytest.skip("shmem_enabled gives huge pages on request here, prefaulted or not")
     with daemon_factory(**{"cpu.prefault": False}).connect() as client:
         client.put("w", torch.arange(1000.0))
         assert client.stats()["tiers"]["cpu"]["huge_page_bytes"] == 0

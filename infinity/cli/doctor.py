@@ -145,7 +145,7 @@ def check_memory(config: InfinityConfig) -> list[Finding]:
     return findings
 
 
-def check_hugepages() -> Finding:
+def check_hugepages(config: InfinityConfig) -> Finding:
     thp = _read("/sys/kernel/mm/transparent_hugepage/enabled")
     meminfo = _read("/proc/meminfo") or ""
     reserved = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("HugePages_Total")), "?")
@@ -160,7 +160,8 @@ def check_hugepages() -> Finding:
     shmem_mode = _chosen(shmem) if shmem is not None else "not reported"
     seen = (f"transparent huge pages: {mode}; for shared memory (the CPU tier): {shmem_mode}; "
             f"reserved huge pages: {reserved}")
-    if shmem_mode in ("never", "not reported") and probe_shared_memory_collapse()[0]:
+    collapses = config.cpu.hugepages and config.cpu.prefault  # see arena.create_segment
+    if shmem_mode in ("never", "not reported") and collapses and probe_shared_memory_collapse()[0]:
         return Finding("huge pages", "ok", seen + "; the daemon collapses the CPU tier's shared "
                        "memory into huge pages (MADV_COLLAPSE)")
     if shmem_mode in ("never", "deny", "not reported"):
@@ -190,7 +191,7 @@ def check_numa() -> Finding:
 
 def collect(config: InfinityConfig, extra_dirs: list[str]) -> list[Finding]:
     checks: list[Callable[[], Finding | list[Finding]]] = [
-        check_io_uring, check_aio, check_simd, lambda: check_memory(config), check_hugepages, check_numa]
+        check_io_uring, check_aio, check_simd, lambda: check_memory(config), lambda: check_hugepages(config), check_numa]
     for path in dict.fromkeys([*config.nvme.dirs, *extra_dirs]):
         checks.append(functools.partial(check_direct, path))
         checks.append(functools.partial(check_free_space, path, config.nvme.capacity_bytes_per_dir))

@@ -122,10 +122,12 @@ def _prefault(mm: mmap.mmap, size_bytes: int) -> None:
     try:
         mm.madvise(_MADV_POPULATE_WRITE)
     except OSError as exc:
-        if exc.errno == errno.ENOMEM:
+        if exc.errno != errno.EINVAL:
+            # ENOMEM: no memory; EFAULT: a page could not be had (a full /dev/shm where memfd is
+            # missing), where touching it would kill the daemon with SIGBUS.
             raise TierFullError(
-                f"the system has no memory for a {size_bytes}-byte CPU-tier segment; "
-                f"lower cpu.budget_bytes or free memory") from None
+                f"the system has no memory for a {size_bytes}-byte CPU-tier segment "
+                f"({exc.strerror}); lower cpu.budget_bytes or free memory") from None
         for page in range(0, size_bytes, mmap.PAGESIZE):  # kernels before 5.14
             mm[page] = 0
 
@@ -146,9 +148,9 @@ def _collapse(segment: int, fd: int, size_bytes: int) -> bool:
         log.debug("no huge pages for CPU-tier segment %d: %s", segment, exc)
         return False
     if failed in (errno.ENOMEM, errno.EAGAIN):
-        log.warning("CPU-tier segment %d keeps 4 KiB pages, memory being too fragmented for huge "
-                    "ones (MADV_COLLAPSE: %s): NVMe loads into it run slower; "
-                    "nvme.staged_reads=on avoids that", segment, os.strerror(failed))
+        log.warning("CPU-tier segment %d keeps 4 KiB pages, at least in part (MADV_COLLAPSE: %s; "
+                    "memory too fragmented, or a memory cgroup at its limit): NVMe loads into it "
+                    "run slower; nvme.staged_reads=on avoids that", segment, os.strerror(failed))
     elif failed:
         log.debug("no huge pages for CPU-tier segment %d: %s", segment, os.strerror(failed))
     return not failed

@@ -33,6 +33,7 @@ LOCK_RETRY_S = 0.5
 # What the daemon asks for when the hard limit allows more (or is unlimited): every client
 # thread's socket, every client's pidfd and fd channel, every segment's memfd are open files.
 OPEN_FILES_WANTED = 65536
+OPEN_FILES_FEW = 4096  # below this, the daemon warns
 
 
 def raise_open_file_limit() -> int:

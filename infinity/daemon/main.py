@@ -39,7 +39,11 @@ def _run(config: InfinityConfig, args: argparse.Namespace) -> int:
         format="%(asctime)s infinityd[%(process)d] %(levelname)s %(name)s: %(message)s")
     lifecycle.prepare_runtime_dir(layout)
     open_files = lifecycle.raise_open_file_limit()
-    logging.getLogger("infinityd").debug("open files: at most %d", open_files)
+    if open_files < lifecycle.OPEN_FILES_FEW:
+        logging.getLogger("infinityd").warning(
+            "at most %d open files (the hard limit): every client thread's socket and every "
+            "client's pidfd and fd channel is one, so a few hundred clients may exhaust them; "
+            "raise it (ulimit -Hn, LimitNOFILE= in the systemd unit)", open_files)
     lock = lifecycle.RuntimeLock(layout)
     lock.acquire()
     daemon: Daemon | None = None

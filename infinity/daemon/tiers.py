@@ -841,7 +841,10 @@ class TierManager:
 
         Where free space covers the load, the victims its quota asks for go now: the load's
         allocation will not evict (it finds the space), and the namespace would grow past its
-        quota with every prefetch. Dirty ones are written back first, as in `_evict_for`."""
+        quota with every prefetch. A dirty one goes once written back, as in `_evict_for`, and
+        the load starts meanwhile: until that write-back ends, the namespace counts both, over
+        its quota by the victim (waiting instead cost more victims at every retry and dropped
+        clients' prefetch hints)."""
         assert self.scheduler is not None
         free = self.arena.budget_bytes - self.arena.used_bytes
         short = max(0, version.nbytes - free)
