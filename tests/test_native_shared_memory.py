@@ -53,12 +53,9 @@ def huge_bytes_of(fd: int, nbytes: int) -> int:
 
 def shmem_huge_by_default() -> bool:
     """Whether the kernel gives shared memory huge pages unasked (shmem_enabled)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            setting = f.read()
-    except OSError:
-        return False
-    return any(f"[{mode}]" in setting for mode in ("always", "within_size", "force"))
+    from infinity.daemon.arena import shmem_hugepage_mode
+
+    return shmem_hugepage_mode() in ("always", "within_size", "force")
 
 
 @pytest.fixture

@@ -107,15 +107,19 @@ def _shared_memory_fd(name: str) -> int:
     return fd
 
 
-def shmem_hugepages_allowed() -> bool:
-    """Whether the kernel gives transparent huge pages to shared memory that asks (madvise)."""
+def shmem_hugepage_mode() -> str | None:
+    """The kernel's shmem_enabled choice ("never", "advise", ...); None where it says nothing."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
             setting = f.read()
     except OSError:
-        return False
-    chosen = setting[setting.find("[") + 1:setting.find("]")] if "[" in setting else setting.strip()
-    return chosen in ("always", "within_size", "advise", "force")
+        return None
+    return setting[setting.find("[") + 1:setting.find("]")] if "[" in setting else setting.strip()
+
+
+def shmem_hugepages_allowed() -> bool:
+    """Whether the kernel gives transparent huge pages to shared memory that asks (madvise)."""
+    return shmem_hugepage_mode() in ("always", "within_size", "advise", "force")
 
 
 def _prefault(mm: mmap.mmap, size_bytes: int) -> None:
