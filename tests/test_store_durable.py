@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -338,6 +339,40 @@ def test_a_failing_fdatasync_fails_the_publish_typed_and_commits_nothing(
     index.close()
     index = DurableIndex(make_tier(engine, disk_tmp))
     assert index.load() == []
+    index.close()
+
+
+def test_a_copy_written_before_a_failed_fdatasync_is_refused_by_a_later_successful_one(
+        engine: IOEngine, disk_tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Linux reports a failed write-back once, so the next fdatasync succeeds whatever was lost:
+    # only a copy written after the failure may be published on the strength of it. (The
+    # failure is faked: a real one needs a failing device.)
+    tier = make_tier(engine, disk_tmp)
+    index = DurableIndex(tier)
+    _, before = write(tier, 11)
+    stamp_before = tier.sync_failures
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+    failed = index.publish([record("a", before)])
+    wait_done(index, failed)
+    monkeypatch.undo()
+    assert isinstance(failed.exception(), IOEngineError)
+    retried = index.publish([dataclasses.replace(record("a", before),
+                                                 sync_failures_before=stamp_before)])
+    wait_done(index, retried)
+    assert isinstance(retried.exception(), IOEngineError)
+    assert "written" in str(retried.exception())
+    _, after = write(tier, 12)
+    fresh = index.publish([dataclasses.replace(record("a", after),
+                                               sync_failures_before=tier.sync_failures)])
+    wait_done(index, fresh)
+    assert fresh.exception() is None
+    index.close()
+    index = DurableIndex(make_tier(engine, disk_tmp))
+    assert [r.layout for r in index.load()] == [after]
     index.close()
 
 

@@ -59,6 +59,7 @@ class Stream:
     direct: bool = False
     version: Version | None = None  # read: the version streamed (leased under `id`)
     layout: TensorLayout | None = None  # staged write: the extents being filled
+    sync_failures_before: int = 0  # staged write: see `DiskCopy.sync_failures_before`
     crcs: array.array[int] | None = None  # staged write: checksums, filled by the engine
     written: bytearray = field(default_factory=bytearray)  # staged write: 1 per block done
     slots: list[CpuSlice] = field(default_factory=list)
@@ -192,6 +193,8 @@ class StreamTable:
             self.tiers.free_disk(layout)
             return
         stream.layout = layout
+        assert self.tiers.nvme is not None  # it gave the extents
+        stream.sync_failures_before = self.tiers.nvme.sync_failures
         stream.crcs = crc_buffer(crc_blocks(stream.nbytes))
         stream.written = bytearray(-(-stream.nbytes // CRC_BLOCK_BYTES))
         self._opened(stream, done)
@@ -326,8 +329,9 @@ class StreamTable:
                 layout = finished_layout(stream.layout, stream.crcs)
                 stream.layout = None  # now the version's
                 self._discard(stream)
+                copy = DiskCopy(layout, sync_failures_before=stream.sync_failures_before)
                 version = self.catalog.install(key, stream.dtype, stream.shape, stream.nbytes,
-                                               cpu=None, dirty=False, nvme=DiskCopy(layout))
+                                               cpu=None, dirty=False, nvme=copy)
         except InfinityError as exc:
             self._discard(stream)
             done(exc)

@@ -13,7 +13,9 @@ It owns, for infinityd:
   share one load (`ensure_resident`, `prefetch`);
 - durability: `make_durable` writes back what is dirty, then one `DurableIndex`
   transaction (fdatasync first, on the index's thread) points the names at
-  their new extents; replaced extents are freed only after that commit.
+  their new extents; replaced extents are freed only after that commit. A
+  copy written before a failed fdatasync is never published (Linux reports
+  such a failure once): a resident version is written anew instead;
   Deletes remove the name from the index the same way; `restore` rebuilds the
   catalog from the index at start;
 - the counters of all of that, kept as it happens.
@@ -78,6 +80,9 @@ class DiskCopy:
     # (written in place between them), the index must end at the later one.
     edits: int = 0
     indexed_order: tuple[int, int] = (0, 0)  # (stamp, edits) of the index row pointing here
+    # The NVMe tier's `sync_failures` when these bytes began to be written: if an fdatasync
+    # failed since, they may never reach the disk, and only a fresh copy can be made durable.
+    sync_failures_before: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -97,6 +102,7 @@ class _WriteBack:
     waiters: list[Callback]
     ahead: int = 0  # bytes it counts against nvme.write_behind_bytes (0 once it is an eviction)
     evicting: int = 0  # CPU bytes its eviction will free, once it is one
+    sync_failures_before: int = 0  # `DiskCopy.sync_failures_before` of the copy it writes
 
 
 @dataclass(eq=False, slots=True)
@@ -653,6 +659,7 @@ class TierManager:
         except InfinityError as exc:
             self._wrote_back(wb, None, exc)
             return
+        wb.sync_failures_before = nvme.sync_failures
         try:
             write = nvme.write_from(self.arena.address_of(version.cpu), version.nbytes,
                                     layout=layout)
@@ -709,7 +716,8 @@ class TierManager:
                 counters.writebacks_stale += 1
                 error = self._stale(version)
             else:
-                version.nvme = DiskCopy(layout, edits=wb.edits)
+                version.nvme = DiskCopy(layout, edits=wb.edits,
+                                        sync_failures_before=wb.sync_failures_before)
                 version.dirty = False
                 counters.writebacks += 1
                 counters.writeback_bytes += version.nbytes
@@ -979,6 +987,12 @@ class TierManager:
         for version in job.versions:  # a delete meanwhile must know a flush is coming
             self._flushing[version.key] = self._flushing.get(version.key, 0) + 1
         for i, version in enumerate(job.versions):
+            if (version.nvme is not None and not version.dirty and version.cpu is not None
+                    and not version.exclusive and not version.pins
+                    and self._unsynced(version.nvme)):
+                # Its NVMe copy may not be on the disk: a fresh one is written from memory.
+                version.dirty = True
+                self._drop_copy(version)
             if version.nbytes == 0:
                 if version.nvme is None:
                     empty = TensorLayout(0, self.config.nvme.stripe_bytes, (), ())
@@ -990,7 +1004,14 @@ class TierManager:
                     f"exclusively (being written in place), so its bytes are not settled; flush "
                     f"after the lease is released")
             elif version.nvme is not None and not version.dirty:
-                self._flush_ready(job, i, version)
+                if self._unsynced(version.nvme) and version.cpu is None:
+                    job.errors[i] = IOEngineError(
+                        f"tensor {version.key[1]!r} in namespace {version.key[0]!r} was written "
+                        f"to NVMe before an fdatasync of the store failed, so its bytes may not "
+                        f"be on the disk, and it is not in memory to be written again; get it "
+                        f"(that reads it back into the CPU tier) and flush again")
+                else:  # busy with I/O if unsynced: the index's writer refuses it, to be retried
+                    self._flush_ready(job, i, version)
             elif version.cpu is not None:
                 job.waiting += 1
                 self._write_back(version, evict=False,
@@ -999,6 +1020,12 @@ class TierManager:
                 job.errors[i] = InfinityError(f"tensor {version.key[1]!r} has no bytes anywhere "
                                               f"(internal error); see infinityd's log")
         self._flush_written(job, -1, None, None)
+
+    def _unsynced(self, copy: DiskCopy) -> bool:
+        """The copy was written before an fdatasync of the store failed and was not made durable
+        before that: its bytes may never reach the disk."""
+        return (not copy.indexed and bool(copy.layout.extents) and self.nvme is not None
+                and copy.sync_failures_before != self.nvme.sync_failures)
 
     def _flush_ready(self, job: _Flush, i: int, version: Version) -> None:
         copy = version.nvme
@@ -1047,7 +1074,8 @@ class TierManager:
                 continue
             self._index_issued[key] = order
             self._index_pending[key] = self._index_pending.get(key, 0) + 1
-            records.append(DurableRecord(key[0], key[1], version.dtype, version.shape, copy.layout))
+            records.append(DurableRecord(key[0], key[1], version.dtype, version.shape, copy.layout,
+                                         copy.sync_failures_before))
             published.append((i, key, copy, version.nbytes, order))
         for version in job.versions:
             self._forget_order(version.key)

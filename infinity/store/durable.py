@@ -57,6 +57,9 @@ class DurableRecord:
     dtype: str
     shape: tuple[int, ...]
     layout: TensorLayout
+    # The tier's `sync_failures` when these bytes began to be written: publishing refuses
+    # the record if an fdatasync failed since (see `NvmeTier.sync_failures`).
+    sync_failures_before: int = 0
 
 
 def store_files_in(directory: str, extent_file_bytes: int) -> str | None:
@@ -328,7 +331,15 @@ class DurableIndex:
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
+                    self.tier.sync_failures += 1
                     raise _disk_error(exc, "fdatasync of the store's extent file") from None
+            failed_since = [r.name for r in batch
+                            if r.layout.extents and r.sync_failures_before != self.tier.sync_failures]
+            if failed_since:
+                raise IOEngineError(
+                    f"an fdatasync of the store failed after the bytes of {failed_since[0]!r} were "
+                    f"written, so they may not be on the disk; flush again (the tensors still in "
+                    f"memory are written anew), and check the device and the kernel log (dmesg)")
             with _Transaction(self._db, path=self.path) as db:
                 db.executemany("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?)", rows)
 

@@ -399,6 +399,11 @@ class NvmeTier:
         self.staged_writes = staged_writes
         self.stripe_bytes = config.stripe_bytes
         self._lock = threading.Lock()
+        # fdatasyncs of the store's files that failed so far (counted by the index's writer
+        # thread). Linux reports a failed write-back once: the next fdatasync succeeds though
+        # the bytes written before the failure may never reach the disk, so a copy written
+        # before a failure must not be called durable on the strength of a later sync.
+        self.sync_failures = 0
         self.directories: list[NvmeDirectory] = []
         try:
             for i, path in enumerate(config.dirs):
