@@ -665,6 +665,12 @@ class FaultyFdatasync:
             os.unlink(self.flag)
 
 
+def push_out_and_forget(client: Any) -> None:
+    """`push_out`, then delete the fillers: the tensors left are what the test put."""
+    push_out(client)
+    client.delete([f"filler{i}" for i in range(16 * MiB // (2 * MiB))])
+
+
 def assert_kept_across_a_kill(store: Store, daemon: RunningDaemon, name: str,
                               value: torch.Tensor) -> None:
     daemon.process.kill()
@@ -690,20 +696,65 @@ def test_a_flush_after_a_failed_fdatasync_writes_the_tensor_anew(
     assert_kept_across_a_kill(store, daemon, "x", data)
 
 
+def test_a_tensor_in_memory_at_a_failed_fdatasync_is_written_anew_when_evicted(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Evicted as it was, x would be left with only the copy written before the failure.
+    faulty = FaultyFdatasync(store, monkeypatch)
+    data = pattern(37, 3 * MiB + 511)
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put("x", data)
+        faulty.fail_one_flush(client)
+        push_out_and_forget(client)
+        assert tier_of(client, "x") == "nvme"
+        assert client.flush_store()["tensors"] == 1
+    assert_kept_across_a_kill(store, daemon, "x", data)
+
+
 def test_a_flush_of_a_tensor_only_on_nvme_after_a_failed_fdatasync_asks_to_read_it_first(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # x's only copy, written back when it was evicted, predates the failure: nothing in memory
+    # to write anew, so the flush says how to bring it back.
     faulty = FaultyFdatasync(store, monkeypatch)
     data = pattern(29, 3 * MiB + 4097)
     daemon = store.start()
     with daemon.connect() as client:
         client.put("x", data)
-        faulty.fail_one_flush(client)
-        push_out(client)
+        push_out_and_forget(client)
         assert tier_of(client, "x") == "nvme"
+        faulty.fail_one_flush(client)
         with pytest.raises(IOEngineError, match="get it"):
             client.flush_store()
         with client.get("x") as x:
             assert same_bytes(x, data)
+        client.flush_store()
+    assert_kept_across_a_kill(store, daemon, "x", data)
+
+
+def test_a_flush_of_a_tensor_being_streamed_after_a_failed_fdatasync_waits_for_the_stream(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy a staged read stream reads must not be freed under it by the rewrite: the flush
+    # is refused while the stream is open, and the stream's chunks stay right.
+    faulty = FaultyFdatasync(store, monkeypatch)
+    data = pattern(31, 3 * MiB + 8191)
+    daemon = store.start()
+    with daemon.connect() as client:
+        client.put("x", data)
+        push_out_and_forget(client)
+        faulty.fail_one_flush(client)
+        channel = client._channel()
+        stream_id = next(client._request_ids)
+        opened = channel.call(stream_id, wire.StreamOpen("default", "x", "read"))
+        info = wire.StreamInfo.from_wire(opened.results[0])
+        assert not info.direct  # read from NVMe, chunk by chunk
+        with client.get("x"):  # resident again, its NVMe copy still the one streamed
+            pass
+        with pytest.raises(IOEngineError, match="being read"):
+            client.flush_store()
+        chunk = channel.call(next(client._request_ids), wire.StreamChunk(stream_id, 0, 0, 2 * MiB))
+        assert chunk.failure is None and chunk.results == (None,), chunk
+        assert same_bytes(client._view(info.slots[0]).reshape(-1)[:2 * MiB], data[:2 * MiB])
+        assert channel.call(next(client._request_ids), wire.StreamClose(stream_id)).failure is None
         client.flush_store()
     assert_kept_across_a_kill(store, daemon, "x", data)
 

@@ -15,7 +15,7 @@ It owns, for infinityd:
   transaction (fdatasync first, on the index's thread) points the names at
   their new extents; replaced extents are freed only after that commit. A
   copy written before a failed fdatasync is never published (Linux reports
-  such a failure once): a resident version is written anew instead;
+  such a failure once): resident versions are written anew instead;
   Deletes remove the name from the index the same way; `restore` rebuilds the
   catalog from the index at start;
 - the counters of all of that, kept as it happens.
@@ -987,12 +987,7 @@ class TierManager:
         for version in job.versions:  # a delete meanwhile must know a flush is coming
             self._flushing[version.key] = self._flushing.get(version.key, 0) + 1
         for i, version in enumerate(job.versions):
-            if (version.nvme is not None and not version.dirty and version.cpu is not None
-                    and not version.exclusive and not version.pins
-                    and self._unsynced(version.nvme)):
-                # Its NVMe copy may not be on the disk: a fresh one is written from memory.
-                version.dirty = True
-                self._drop_copy(version)
+            self._renew_unsynced(version)
             if version.nbytes == 0:
                 if version.nvme is None:
                     empty = TensorLayout(0, self.config.nvme.stripe_bytes, (), ())
@@ -1004,13 +999,17 @@ class TierManager:
                     f"exclusively (being written in place), so its bytes are not settled; flush "
                     f"after the lease is released")
             elif version.nvme is not None and not version.dirty:
-                if self._unsynced(version.nvme) and version.cpu is None:
+                if self._unsynced(version.nvme):
                     job.errors[i] = IOEngineError(
                         f"tensor {version.key[1]!r} in namespace {version.key[0]!r} was written "
                         f"to NVMe before an fdatasync of the store failed, so its bytes may not "
-                        f"be on the disk, and it is not in memory to be written again; get it "
-                        f"(that reads it back into the CPU tier) and flush again")
-                else:  # busy with I/O if unsynced: the index's writer refuses it, to be retried
+                        f"be on the disk, and " + (
+                            "it is not in memory to be written again; get it (that reads it "
+                            "back into the CPU tier), release it, and flush again"
+                            if version.cpu is None else
+                            "it is being read (a lease or a stream holds it), so it cannot be "
+                            "written anew yet; flush again once it is released"))
+                else:
                     self._flush_ready(job, i, version)
             elif version.cpu is not None:
                 job.waiting += 1
@@ -1020,6 +1019,16 @@ class TierManager:
                 job.errors[i] = InfinityError(f"tensor {version.key[1]!r} has no bytes anywhere "
                                               f"(internal error); see infinityd's log")
         self._flush_written(job, -1, None, None)
+
+    def _renew_unsynced(self, version: Version) -> None:
+        """If the version's clean NVMe copy may not be on the disk (`_unsynced`) and nothing reads
+        that copy, drop it: the version is dirty again, so its bytes are written anew from
+        memory, by the next flush or eviction. (While shared, a stream may be reading the copy.)"""
+        if (version.nvme is not None and not version.dirty and version.cpu is not None
+                and not version.exclusive and not version.shared and not version.pins
+                and self._unsynced(version.nvme)):
+            version.dirty = True
+            self._drop_copy(version)
 
     def _unsynced(self, copy: DiskCopy) -> bool:
         """The copy was written before an fdatasync of the store failed and was not made durable
@@ -1135,6 +1144,10 @@ class TierManager:
         else:
             self.counters.flush_failures += 1
             log.error("flush failed: %s", error)
+            # After a failed fdatasync, the clean copies written before it may be lost: resident
+            # versions become dirty again, so that eviction does not leave only such a copy.
+            for version in list(self.resident.values()):
+                self._renew_unsynced(version)
         for _, key, _, _, _ in published:
             self._index_done(key, error)
         finish()
