@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "adam.h"
 #include "aligned_buffer.h"
 #include "copy.h"
 #include "cpu.h"
@@ -52,6 +53,18 @@ infinity::OpSpec parse_op(const py::handle& item, size_t i) {
                          py::str(item).cast<std::string>() + " (expected bool, int, int, int, int, bool, int, int[, bool])");
   }
 }
+
+
+infinity::ElementType element_type(const std::string& name, const char* what) {
+  if (name == "float32") return infinity::ElementType::kFloat32;
+  if (name == "bfloat16") return infinity::ElementType::kBFloat16;
+  if (name == "float16") return infinity::ElementType::kFloat16;
+  if (name == "none") return infinity::ElementType::kNone;
+  throw py::value_error(std::string(what) + " is " + name +
+                        "; it must be float32, bfloat16 or float16 (or none for the low copy)");
+}
+
+size_t element_bytes(infinity::ElementType t) { return t == infinity::ElementType::kFloat32 ? 4 : 2; }
 
 // An engine dropped without close() closes in its destructor, which waits for the ops in
 // flight and joins the I/O threads: not with the GIL held, or every Python thread stalls as
@@ -149,6 +162,69 @@ PYBIND11_MODULE(_native, m) {
       "or madvise's errno (EINVAL: unsupported or denied; ENOMEM, EAGAIN: memory too "
       "fragmented). Raises OSError when the temporary mapping cannot be made.");
   m.def("copy_implementation", &infinity::copy_implementation);
+  m.def(
+      "adam_step",
+      [](uint64_t param, uint64_t grad, const std::string& grad_dtype, uint64_t exp_avg, uint64_t exp_avg_sq,
+         uint64_t low, const std::string& low_dtype, int64_t numel, double lr, double beta1, double beta2,
+         double eps, double weight_decay, int64_t step, bool decoupled, double grad_scale,
+         const std::string& implementation) {
+        if (numel < 0) throw py::value_error("numel is " + std::to_string(numel) + "; it must be >= 0");
+        infinity::AdamBuffers b;
+        b.param = reinterpret_cast<float*>(param);
+        b.grad = reinterpret_cast<const void*>(grad);
+        b.grad_type = element_type(grad_dtype, "grad_dtype");
+        b.exp_avg = reinterpret_cast<float*>(exp_avg);
+        b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+        b.low = reinterpret_cast<void*>(low);
+        b.low_type = element_type(low_dtype, "low_dtype");
+        infinity::AdamHyper h;
+        h.lr = lr; h.beta1 = beta1; h.beta2 = beta2; h.eps = eps; h.weight_decay = weight_decay;
+        h.step = step; h.decoupled = decoupled; h.grad_scale = grad_scale;
+        const std::string problem = infinity::adam_check(b, h);
+        if (!problem.empty()) throw py::value_error(problem);
+        // The four buffers written or read must not overlap: a shared byte would be read after
+        // another element's update wrote it.
+        const size_t n = static_cast<size_t>(numel);
+        const uint64_t starts[5] = {param, exp_avg, exp_avg_sq, grad, low};
+        const uint64_t sizes[5] = {n * 4, n * 4, n * 4, n * element_bytes(b.grad_type),
+                                   low ? n * element_bytes(b.low_type) : 0};
+        static const char* names[5] = {"param", "exp_avg", "exp_avg_sq", "grad", "low"};
+        for (int i = 0; i < 5; ++i)
+          for (int j = i + 1; j < 5; ++j)
+            if (sizes[i] && sizes[j] && starts[i] < starts[j] + sizes[j] && starts[j] < starts[i] + sizes[i])
+              throw py::value_error(std::string(names[i]) + " and " + names[j] +
+                                    " overlap; each Adam buffer must be its own memory");
+        bool ran;
+        {
+          py::gil_scoped_release nogil;
+          ran = infinity::adam_step_range_with(implementation.c_str(), b, h, 0, n);
+        }
+        if (!ran)
+          throw py::value_error("implementation " + implementation + " cannot run on this CPU (it offers " +
+                                infinity::adam_implementation() + "); use auto, scalar, avx2 or avx512");
+      },
+      "param"_a, "grad"_a, "grad_dtype"_a, "exp_avg"_a, "exp_avg_sq"_a, "low"_a, "low_dtype"_a, "numel"_a,
+      py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "decoupled"_a,
+      "grad_scale"_a = 1.0, "implementation"_a = "auto",
+      "One Adam (decoupled=False) or AdamW step over numel fp32 elements in place, as torch's "
+      "single-tensor Adam computes it; writes the parameter's low-precision copy in the same pass.");
+  m.def(
+      "grad_stats",
+      [](uint64_t grad, const std::string& dtype, int64_t numel) {
+        if (numel < 0) throw py::value_error("numel is " + std::to_string(numel) + "; it must be >= 0");
+        const infinity::ElementType t = element_type(dtype, "dtype");
+        if (t == infinity::ElementType::kNone) throw py::value_error("dtype none has no elements to measure");
+        if (numel > 0 && grad == 0) throw py::value_error("address is 0 (a null pointer)");
+        infinity::GradStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = infinity::grad_stats_range(reinterpret_cast<const void*>(grad), t, 0, static_cast<size_t>(numel));
+        }
+        return py::make_tuple(st.sum_of_squares, st.nonfinite);
+      },
+      "grad"_a, "dtype"_a, "numel"_a,
+      "(sum of squares in double, any inf or NaN) of a gradient's numel elements.");
+  m.def("adam_implementation", &infinity::adam_implementation, "\"avx512\" | \"avx2\" | \"scalar\"");
   m.def("crc32c_implementation", &infinity::crc32c_implementation);
   m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");
   m.def("probe_io_uring", &infinity::probe_io_uring, py::call_guard<py::gil_scoped_release>(),

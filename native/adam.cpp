@@ -1,0 +1,404 @@
+#include "adam.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "cpu.h"
+
+// The arithmetic below is written operation by operation in the order torch's single-tensor
+// Adam performs it (mul_, lerp_, mul_ + addcmul_, sqrt / bias correction + eps, addcdiv_), with
+// fused multiply-adds exactly where torch's own vector kernels use one (lerp, addcmul, add with
+// alpha) and nowhere else. So the results agree with torch.optim.Adam / AdamW to the last bit or within one
+// rounding, and never drift from it step after step.
+#pragma GCC optimize("fp-contract=off")
+
+namespace infinity {
+namespace {
+
+// The per-call scalars, as float, as torch hands them to its element-wise kernels.
+struct Scalars {
+  float decay;        // 1 - lr * weight_decay (AdamW), 1 when there is none
+  float l2;           // weight_decay for Adam's L2 term, 0 for AdamW
+  float lerp_weight;  // 1 - beta1
+  bool lerp_small;    // |lerp_weight| < 0.5: torch's lerp takes the form that starts from exp_avg
+  float beta2;
+  float one_minus_beta2;
+  float bias2_sqrt;   // sqrt(1 - beta2^step), divided into sqrt(exp_avg_sq)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float grad_scale;
+};
+
+Scalars scalars_of(const AdamHyper& h) {
+  Scalars s;
+  s.decay = (h.decoupled && h.weight_decay != 0.0) ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s.l2 = (!h.decoupled) ? static_cast<float>(h.weight_decay) : 0.0f;
+  s.lerp_weight = static_cast<float>(1.0 - h.beta1);
+  s.lerp_small = std::fabs(s.lerp_weight) < 0.5f;
+  s.beta2 = static_cast<float>(h.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  const double step = static_cast<double>(h.step);
+  const double bias1 = 1.0 - std::pow(h.beta1, step);
+  const double bias2 = 1.0 - std::pow(h.beta2, step);
+  s.bias2_sqrt = static_cast<float>(std::pow(bias2, 0.5));
+  s.eps = static_cast<float>(h.eps);
+  s.neg_step_size = static_cast<float>(-(h.lr / bias1));
+  s.grad_scale = static_cast<float>(h.grad_scale);
+  return s;
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7FC0;  // torch's quiet NaN
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// IEEE half precision in software: the scalar path must run on CPUs without F16C.
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // inf, NaN (payload kept)
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    uint32_t e = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --e;
+    }
+    bits = sign | (e << 23) | ((mant & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_f16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));  // NaN
+  if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to inf, or is inf
+  if (abs < 0x38800000u) {  // a half subnormal (or zero): round the shifted mantissa, ties to even
+    if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
+    const uint32_t exp = abs >> 23;
+    const uint32_t mant = (abs & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126u - exp;  // 14 .. 24
+    const uint32_t half_mant = mant >> shift;
+    const uint32_t rest = mant & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    const uint32_t up = (rest > halfway || (rest == halfway && (half_mant & 1u))) ? 1u : 0u;
+    return static_cast<uint16_t>(sign | (half_mant + up));
+  }
+  // Normal: rebias the exponent and round 13 mantissa bits away, ties to even (a carry into
+  // the exponent is the right result, up to inf).
+  const uint32_t rebased = abs - 0x38000000u;
+  const uint32_t up = 0xFFFu + ((rebased >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rebased + up) >> 13));
+}
+
+inline float load_grad(const void* grad, ElementType type, size_t i) {
+  switch (type) {
+    case ElementType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
+    case ElementType::kFloat16: return f16_to_float(static_cast<const uint16_t*>(grad)[i]);
+    default: return static_cast<const float*>(grad)[i];
+  }
+}
+
+inline void store_low(void* low, ElementType type, size_t i, float value) {
+  if (type == ElementType::kBFloat16)
+    static_cast<uint16_t*>(low)[i] = float_to_bf16(value);
+  else if (type == ElementType::kFloat16)
+    static_cast<uint16_t*>(low)[i] = float_to_f16(value);
+  else if (type == ElementType::kFloat32)
+    static_cast<float*>(low)[i] = value;
+}
+
+void step_scalar(const AdamBuffers& b, const Scalars& s, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    float g = load_grad(b.grad, b.grad_type, i) * s.grad_scale;
+    float p = b.param[i];
+    if (s.l2 != 0.0f) g = std::fma(p, s.l2, g);
+    if (s.decay != 1.0f) p = p * s.decay;
+    const float m0 = b.exp_avg[i];
+    const float m = s.lerp_small ? std::fma(s.lerp_weight, g - m0, m0)
+                                 : std::fma(s.lerp_weight - 1.0f, g - m0, g);
+    float v = b.exp_avg_sq[i] * s.beta2;
+    v = std::fma(s.one_minus_beta2 * g, g, v);
+    const float denom = std::sqrt(v) / s.bias2_sqrt + s.eps;
+    p = p + (s.neg_step_size * m) / denom;
+    b.param[i] = p;
+    b.exp_avg[i] = m;
+    b.exp_avg_sq[i] = v;
+    if (b.low != nullptr) store_low(b.low, b.low_type, i, p);
+  }
+}
+
+// --- AVX-512: 16 elements at a time -------------------------------------------------------
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_grad16(const void* grad,
+                                                                                ElementType type,
+                                                                                size_t i) {
+  if (type == ElementType::kBFloat16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  if (type == ElementType::kFloat16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    return _mm512_cvtph_ps(raw);
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_low16(void* low, ElementType type,
+                                                                             size_t i, __m512 p) {
+  if (type == ElementType::kBFloat16) {
+    const __m512i bits = _mm512_castps_si512(p);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(low) + i), _mm512_cvtepi32_epi16(rounded));
+  } else if (type == ElementType::kFloat16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(low) + i),
+                        _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (type == ElementType::kFloat32) {
+    _mm512_storeu_ps(static_cast<float*>(low) + i, p);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void step_avx512(const AdamBuffers& b, const Scalars& s,
+                                                                       size_t begin, size_t end) {
+  const __m512 grad_scale = _mm512_set1_ps(s.grad_scale);
+  const __m512 l2 = _mm512_set1_ps(s.l2);
+  const __m512 decay = _mm512_set1_ps(s.decay);
+  const __m512 coeff = _mm512_set1_ps(s.lerp_small ? s.lerp_weight : s.lerp_weight - 1.0f);
+  const __m512 beta2 = _mm512_set1_ps(s.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
+  const __m512 bias2_sqrt = _mm512_set1_ps(s.bias2_sqrt);
+  const __m512 eps = _mm512_set1_ps(s.eps);
+  const __m512 neg_step = _mm512_set1_ps(s.neg_step_size);
+  const bool use_l2 = s.l2 != 0.0f, use_decay = s.decay != 1.0f, small = s.lerp_small;
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 g = _mm512_mul_ps(load_grad16(b.grad, b.grad_type, i), grad_scale);
+    __m512 p = _mm512_loadu_ps(b.param + i);
+    if (use_l2) g = _mm512_fmadd_ps(p, l2, g);
+    if (use_decay) p = _mm512_mul_ps(p, decay);
+    const __m512 m0 = _mm512_loadu_ps(b.exp_avg + i);
+    const __m512 m = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m0), small ? m0 : g);
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(b.exp_avg_sq + i), beta2);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias2_sqrt), eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
+    _mm512_storeu_ps(b.param + i, p);
+    _mm512_storeu_ps(b.exp_avg + i, m);
+    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    if (b.low != nullptr) store_low16(b.low, b.low_type, i, p);
+  }
+  step_scalar(b, s, i, end);
+}
+
+// --- AVX2 (+FMA, F16C): 8 elements at a time ----------------------------------------------
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_grad8(const void* grad, ElementType type, size_t i) {
+  if (type == ElementType::kBFloat16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  if (type == ElementType::kFloat16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+    return _mm256_cvtph_ps(raw);
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline void store_low8(void* low, ElementType type, size_t i, __m256 p) {
+  if (type == ElementType::kBFloat16) {
+    const __m256i bits = _mm256_castps_si256(p);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+    // Each 32-bit lane holds a value below 0x10000, so the unsigned-saturating pack keeps it.
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(low) + i), packed);
+  } else if (type == ElementType::kFloat16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(low) + i),
+                     _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (type == ElementType::kFloat32) {
+    _mm256_storeu_ps(static_cast<float*>(low) + i, p);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void step_avx2(const AdamBuffers& b, const Scalars& s, size_t begin,
+                                                        size_t end) {
+  const __m256 grad_scale = _mm256_set1_ps(s.grad_scale);
+  const __m256 l2 = _mm256_set1_ps(s.l2);
+  const __m256 decay = _mm256_set1_ps(s.decay);
+  const __m256 coeff = _mm256_set1_ps(s.lerp_small ? s.lerp_weight : s.lerp_weight - 1.0f);
+  const __m256 beta2 = _mm256_set1_ps(s.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
+  const __m256 bias2_sqrt = _mm256_set1_ps(s.bias2_sqrt);
+  const __m256 eps = _mm256_set1_ps(s.eps);
+  const __m256 neg_step = _mm256_set1_ps(s.neg_step_size);
+  const bool use_l2 = s.l2 != 0.0f, use_decay = s.decay != 1.0f, small = s.lerp_small;
+  size_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    __m256 g = _mm256_mul_ps(load_grad8(b.grad, b.grad_type, i), grad_scale);
+    __m256 p = _mm256_loadu_ps(b.param + i);
+    if (use_l2) g = _mm256_fmadd_ps(p, l2, g);
+    if (use_decay) p = _mm256_mul_ps(p, decay);
+    const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
+    const __m256 m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m0), small ? m0 : g);
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), beta2);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, v);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias2_sqrt), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
+    _mm256_storeu_ps(b.param + i, p);
+    _mm256_storeu_ps(b.exp_avg + i, m);
+    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    if (b.low != nullptr) store_low8(b.low, b.low_type, i, p);
+  }
+  step_scalar(b, s, i, end);
+}
+
+using StepFn = void (*)(const AdamBuffers&, const Scalars&, size_t, size_t);
+
+bool has_f16c() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+StepFn pick_step() {
+  const std::string level = simd_level();
+  if (level == "avx512") return step_avx512;
+  if (level == "avx2" && has_f16c()) return step_avx2;
+  return step_scalar;
+}
+
+const StepFn kStep = pick_step();
+
+StepFn step_named(const std::string& name) {
+  if (name == "auto") return kStep;
+  if (name == "scalar") return step_scalar;
+  const std::string level = simd_level();
+  if (name == "avx512" && level == "avx512") return step_avx512;
+  if (name == "avx2" && (level == "avx512" || level == "avx2") && has_f16c()) return step_avx2;
+  return nullptr;
+}
+
+bool valid_type(ElementType t, bool allow_none) {
+  switch (t) {
+    case ElementType::kNone: return allow_none;
+    case ElementType::kFloat32:
+    case ElementType::kBFloat16:
+    case ElementType::kFloat16: return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* adam_check(const AdamBuffers& b, const AdamHyper& h) {
+  if (b.param == nullptr || b.grad == nullptr || b.exp_avg == nullptr || b.exp_avg_sq == nullptr)
+    return "param, grad, exp_avg and exp_avg_sq must all be given (non-zero addresses)";
+  if (!valid_type(b.grad_type, false)) return "the gradient's type must be float32, bfloat16 or float16";
+  if (!valid_type(b.low_type, true)) return "the low-precision copy's type must be none, float32, bfloat16 or float16";
+  if ((b.low == nullptr) != (b.low_type == ElementType::kNone))
+    return "give the low-precision copy's address and type together, or neither";
+  if (h.step < 1) return "step counts from 1: pass the number of the step being taken";
+  if (!(h.lr >= 0.0) || !std::isfinite(h.lr)) return "lr must be a finite number >= 0";
+  if (!(h.beta1 >= 0.0 && h.beta1 < 1.0) || !(h.beta2 >= 0.0 && h.beta2 < 1.0))
+    return "betas must each be in [0, 1)";
+  if (!(h.eps >= 0.0) || !std::isfinite(h.eps)) return "eps must be a finite number >= 0";
+  if (!(h.weight_decay >= 0.0) || !std::isfinite(h.weight_decay)) return "weight_decay must be a finite number >= 0";
+  if (!std::isfinite(h.grad_scale)) return "grad_scale must be finite";
+  return "";
+}
+
+void adam_step_range(const AdamBuffers& buffers, const AdamHyper& hyper, size_t begin, size_t end) {
+  if (begin >= end) return;
+  kStep(buffers, scalars_of(hyper), begin, end);
+}
+
+bool adam_step_range_with(const char* implementation, const AdamBuffers& buffers, const AdamHyper& hyper,
+                          size_t begin, size_t end) {
+  const StepFn fn = step_named(implementation);
+  if (fn == nullptr) return false;
+  if (begin < end) fn(buffers, scalars_of(hyper), begin, end);
+  return true;
+}
+
+namespace {
+
+GradStats stats_scalar(const void* grad, ElementType type, size_t begin, size_t end) {
+  GradStats out;
+  for (size_t i = begin; i < end; ++i) {
+    const float g = load_grad(grad, type, i);
+    if (!std::isfinite(g)) out.nonfinite = true;
+    out.sum_of_squares += static_cast<double>(g) * static_cast<double>(g);
+  }
+  return out;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) GradStats stats_avx512(const void* grad, ElementType type,
+                                                                            size_t begin, size_t end) {
+  // Squares summed in double (two accumulators of 8), so a billion-element norm keeps its digits.
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  __mmask16 bad = 0;
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 g = load_grad16(grad, type, i);
+    // inf and NaN are the values whose exponent bits are all set.
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(g), exponent), exponent);
+    const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+    lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
+    hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
+  }
+  GradStats out = stats_scalar(grad, type, i, end);
+  out.sum_of_squares += _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  out.nonfinite = out.nonfinite || bad != 0;
+  return out;
+}
+
+}  // namespace
+
+GradStats grad_stats_range(const void* grad, ElementType type, size_t begin, size_t end) {
+  if (begin >= end) return GradStats{};
+  if (kStep == step_avx512) return stats_avx512(grad, type, begin, end);
+  return stats_scalar(grad, type, begin, end);
+}
+
+const char* adam_implementation() {
+  if (kStep == step_avx512) return "avx512";
+  if (kStep == step_avx2) return "avx2";
+  return "scalar";
+}
+
+}  // namespace infinity
