@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import infinity
-from infinity.errors import (AlreadyExistsError, InvalidRequestError, QuotaExceededError,
-                             ReadOnlyNamespaceError)
+from infinity.errors import (AlreadyExistsError, InvalidRequestError, ProtocolError,
+                             QuotaExceededError, ReadOnlyNamespaceError)
+from infinity.protocol import wire
 
 SPAWN = multiprocessing.get_context("spawn")
 WEIGHTS = torch.arange(4096, dtype=torch.float32)
@@ -97,6 +98,24 @@ def _run_child(target: Callable[..., None], *args: Any, timeout_s: float = 60) -
 
 
 # --- tests ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    ["drop", "ns", "read-write", 0],  # no such action
+    ["create", "ns", "write-only", 0],  # no such mode
+    ["create", "ns", "read-only", -1],  # a quota is not negative
+    ["create", "", "read-only", 0],  # a namespace has a name
+    ["info", "ns"],  # four fields
+])
+def test_a_malformed_namespace_request_is_a_protocol_error(body: list[Any]) -> None:
+    with pytest.raises(ProtocolError):
+        wire.NamespaceOp.from_body(body)
+
+
+def test_a_namespace_record_round_trips_through_its_schema() -> None:
+    info = wire.NamespaceInfo("model", "read-only", True, 3, "importer", 4242, True, 1 << 30,
+                              4096, False)
+    assert wire.NamespaceInfo.from_wire(info.to_wire()) == info
+
 
 def test_a_namespace_never_created_is_read_write_with_no_owner(client: Any) -> None:
     client.put("t", torch.ones(10), namespace="plain")

@@ -29,7 +29,7 @@ Loop thread only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Protocol
 
 from infinity.daemon.catalog import NamespaceCounters, Version
 from infinity.daemon.sessions import Session
@@ -182,8 +182,4 @@ class Namespaces:
         owner of an unsealed read-only namespace does (a read-only one for everyone else)."""
         record = self._read_only.get(segment_class)
         return record is None or (not record.sealed and record.owner_client == session.id)
-
-    def stats(self) -> Mapping[str, dict[str, object]]:
-        return {name: {"mode": r.mode, "owner": r.owner_client, "quota_bytes": r.quota_bytes,
-                       "sealed": r.sealed} for name, r in sorted(self._records.items())}
 
