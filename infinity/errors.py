@@ -111,6 +111,19 @@ class LeaseError(StoreError):
     code = "lease"
 
 
+class ReadOnlyNamespaceError(StoreError):
+    """A write (put, reserve, commit, exclusive get, delete, write stream) to a read-only
+    namespace from a client that is not its owner, or after the namespace was sealed."""
+
+    code = "read_only_namespace"
+
+
+class QuotaExceededError(StoreError):
+    """A write would take a namespace past the byte quota it was created with."""
+
+    code = "quota_exceeded"
+
+
 class InvalidRequestError(StoreError):
     """A request's arguments are of the right form but not acceptable (bad dtype, shape, name)."""
 

@@ -38,6 +38,7 @@ REQUESTS: list[wire.Request] = [
     wire.Step("ns", "begin"),
     wire.GetAhead((wire.GetItem("ns", "next"),)),
     wire.Upcoming("ns", 16, 1 << 30),
+    wire.NamespaceOp("create", "model", "read-only", 1 << 30),
 ]
 
 

@@ -1082,6 +1082,29 @@ class Client:
         self._raise_first([result])
         return wire.decode_stats(result)
 
+    # --- namespace records ---------------------------------------------------------------
+
+    def create_namespace(self, name: str, *, mode: str = "read-write",
+                         quota_bytes: int = 0) -> wire.NamespaceInfo:
+        """Create namespace `name` (before anything is put into it) with this client as its
+        owner. mode "read-only": only this client writes it; every other client reads it
+        through read-only mappings and gets ReadOnlyNamespaceError for writes. quota_bytes
+        (0: none): writes past it get QuotaExceededError."""
+        return self._namespace_op(wire.NamespaceOp("create", name, mode, quota_bytes))
+
+    def namespace_info(self, name: str) -> wire.NamespaceInfo:
+        """The record of namespace `name` (one never created: read-write, no owner, no quota)."""
+        return self._namespace_op(wire.NamespaceOp("info", name))
+
+    def seal_namespace(self, name: str) -> wire.NamespaceInfo:
+        """Stop all writes to a read-only namespace this client owns, its own included, for good."""
+        return self._namespace_op(wire.NamespaceOp("seal", name))
+
+    def _namespace_op(self, message: wire.NamespaceOp) -> wire.NamespaceInfo:
+        (result,) = self._call(message)
+        self._raise_first([result])
+        return wire.NamespaceInfo.from_wire(result)
+
     def on_segment_unmap(self, callback: Callable[[int, int], None]) -> None:
         """Call `callback(start, end)` before a shared-memory segment of this client is unmapped
         (retired by the daemon, or at close), e.g. to drop a CUDA pin on it. Added once."""

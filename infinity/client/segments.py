@@ -7,15 +7,21 @@ strided view of a per-(segment, dtype) base tensor: building it is one
 `as_strided`, with no copy and no system call. A mapping stays alive as long
 as any view of it does (the views hold the mmap), so retiring a segment only
 drops this map's references.
+
+A segment of a read-only namespace that this client may not write comes as a
+read-only fd (see the daemon's fd server): it is mapped PROT_READ, so a stray
+write into one of its views is refused by the kernel (SIGSEGV), not stored.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import select
 import socket
 import threading
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -69,13 +75,35 @@ def _map_for_writing(fd: int, size_bytes: int) -> mmap.mmap:
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-class _Mapping:
-    __slots__ = ("mm", "size_bytes", "address")
+def _map_for_reading(fd: int, size_bytes: int) -> mmap.mmap:
+    """Map a segment this client may only read: PROT_READ (the fd is read-only, so the kernel
+    would refuse PROT_WRITE, now or later through mprotect)."""
+    return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                     prot=mmap.PROT_READ)
 
-    def __init__(self, mm: mmap.mmap, size_bytes: int) -> None:
+
+def _is_read_only(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+
+
+def _frombuffer(mm: mmap.mmap, dtype: torch.dtype, *, read_only: bool) -> torch.Tensor:
+    if not read_only:
+        return torch.frombuffer(mm, dtype=dtype)
+    # torch warns that a tensor over a read-only buffer is writable: here the kernel refuses
+    # such writes, which is the point of mapping it read-only.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable", category=UserWarning)
+        return torch.frombuffer(mm, dtype=dtype)
+
+
+class _Mapping:
+    __slots__ = ("mm", "size_bytes", "address", "read_only")
+
+    def __init__(self, mm: mmap.mmap, size_bytes: int, *, read_only: bool = False) -> None:
         self.mm = mm
         self.size_bytes = size_bytes
-        self.address = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+        self.read_only = read_only
+        self.address = _frombuffer(mm, torch.uint8, read_only=read_only).data_ptr()
 
 
 class SegmentMap:
@@ -188,9 +216,13 @@ class SegmentMap:
                 mapping = self._mappings.get(segment)
                 if mapping is None:
                     raise ProtocolError(f"infinityd did not hand over segment {segment}")
-            base = torch.frombuffer(mapping.mm, dtype=torch_dtype)
+            base = _frombuffer(mapping.mm, torch_dtype, read_only=mapping.read_only)
             self._typed[(segment, dtype)] = base
             return base
+
+    def read_only_segments(self) -> set[int]:
+        """The mapped segments this client may only read (a read-only namespace's)."""
+        return {s for s, m in list(self._mappings.items()) if m.read_only}
 
     def ranges(self) -> list[tuple[int, int, int]]:
         """(segment, start address, end address) of every mapped segment (checks, pinning)."""
@@ -221,8 +253,13 @@ class SegmentMap:
                         raise ProtocolError(f"an fd reply lists {len(reply.segments)} segments "
                                             f"but carries {len(fds)} fds")
                     for info, fd in zip(reply.segments, fds):
-                        self._mappings[info.segment] = _Mapping(_map_for_writing(fd, info.size_bytes),
-                                                                info.size_bytes)
+                        if _is_read_only(fd):  # a read-only namespace's, which others write
+                            self._mappings[info.segment] = _Mapping(
+                                _map_for_reading(fd, info.size_bytes), info.size_bytes,
+                                read_only=True)
+                        else:
+                            self._mappings[info.segment] = _Mapping(
+                                _map_for_writing(fd, info.size_bytes), info.size_bytes)
                 finally:
                     for fd in fds:
                         os.close(fd)  # the mapping keeps the memory; the fd is no longer needed

@@ -6,6 +6,12 @@ rounded up to 2 MiB, destroyed when the tensor is freed. Ranges inside a segment
 come from one `ExtentAllocator` per segment (4 KiB-aligned offsets, so O_DIRECT
 reads can land in place).
 
+Segments have classes. The default class (None) holds every read-write
+tensor; a read-only namespace's tensors sit in segments of their own class
+(named after the namespace), never mixed with other tensors, so that the fd
+channel can hand those segments to the namespace's readers through a
+read-only fd (`Segment.read_only_fd`) and the kernel refuses their writes.
+
 Creating a segment zero-fills and prefaults it, which takes milliseconds per
 hundred MiB, so it is split in two: the loop asks `allocate`, which raises
 `SpaceShortage` when a new segment would help; the loop then runs
@@ -38,6 +44,7 @@ POISON_BYTE = 0xFF  # every float dtype reads 0xFF..FF as NaN, so stale reads st
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module does not name it yet
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_ANY_CLASS = object()  # "segments of every class", where None names the default class
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +59,11 @@ class CpuSlice:
 class SpaceShortage(Exception):
     """Internal signal: no segment has room, but the tier may still grow (or is growing)."""
 
-    def __init__(self, nbytes: int, *, dedicated: bool) -> None:
+    def __init__(self, nbytes: int, *, dedicated: bool, segment_class: str | None = None) -> None:
         super().__init__(f"{nbytes} bytes need a new segment")
         self.nbytes = nbytes
         self.dedicated = dedicated
+        self.segment_class = segment_class
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,7 @@ class SegmentPlan:
     segment: int
     size_bytes: int
     dedicated: bool
+    segment_class: str | None = None  # None: the default (read-write) class
 
 
 class Segment:
@@ -75,7 +84,10 @@ class Segment:
         self.id = plan.segment
         self.size_bytes = plan.size_bytes
         self.dedicated = plan.dedicated
+        self.segment_class = plan.segment_class
         self.fd = fd
+        # For a classed segment: the same memory opened read-only, for clients that only read it.
+        self.read_only_fd = _read_only_fd(fd) if plan.segment_class is not None else -1
         self.mm = mm
         # The address stays valid for the mapping's life; the temporary buffer export is dropped at once.
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
@@ -91,6 +103,20 @@ class Segment:
             pass
         self.mm.close()
         os.close(self.fd)
+        if self.read_only_fd >= 0:
+            os.close(self.read_only_fd)
+
+
+def _read_only_fd(fd: int) -> int:
+    """The file of `fd` opened anew for reading only: a client mapping it cannot ask for
+    PROT_WRITE (EACCES), and mprotect cannot add it later. The file's mode drops to 0400 first,
+    so that a client of the same user cannot reopen it read-write through /proc/<pid>/fd either
+    (root still can: this guards against stray writes, not against a hostile root)."""
+    try:
+        os.fchmod(fd, 0o400)
+    except OSError:
+        pass  # the read-only fd still keeps every mapping of it read-only
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _shared_memory_fd(name: str) -> int:
@@ -235,8 +261,8 @@ class CpuArena:
 
     # --- allocation ---------------------------------------------------------------
 
-    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
-        """A 4 KiB-aligned range of at least nbytes (> 0).
+    def allocate(self, nbytes: int, *, what: str, segment_class: str | None = None) -> CpuSlice:
+        """A 4 KiB-aligned range of at least nbytes (> 0), in a segment of `segment_class`.
 
         Raises TooLargeError (bigger than the whole tier), TierFullError (no room
         and no way to grow), or SpaceShortage (the loop should grow the tier and retry).
@@ -249,7 +275,7 @@ class CpuArena:
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         dedicated = length > self.config.segment_bytes
         for segment in self.segments.values():
-            if segment.dedicated != dedicated:
+            if segment.dedicated != dedicated or segment.segment_class != segment_class:
                 continue
             if dedicated and segment.allocator.used_bytes:
                 continue  # a dedicated segment holds exactly one tensor
@@ -257,14 +283,19 @@ class CpuArena:
             if extent is not None:
                 self.used_bytes += extent.length_bytes
                 return CpuSlice(segment.id, extent.offset_bytes, extent.length_bytes)
+        shortage = SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
         if self.growing:
-            raise SpaceShortage(length, dedicated=dedicated)
+            raise shortage
         need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
         if self._room_bytes() >= need:
-            raise SpaceShortage(length, dedicated=dedicated)
-        if dedicated and self._room_bytes() + self._empty_standard_bytes() >= need:
-            self._retire_empty_standard(need)
-            raise SpaceShortage(length, dedicated=dedicated)
+            raise shortage
+        # Empty standard segments that cannot serve this allocation give their budget back:
+        # any of them for a dedicated segment, those of other classes for a standard one
+        # (without read-only namespaces, there are none of those).
+        other_classes: object = _ANY_CLASS if dedicated else segment_class
+        if self._room_bytes() + self._empty_standard_bytes(other_classes) >= need:
+            self._retire_empty_standard(need, other_classes)
+            raise shortage
         raise TierFullError(
             f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
             f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors (with "
@@ -278,7 +309,7 @@ class CpuArena:
             size = min(self.config.segment_bytes, self._room_bytes())
         if size < shortage.nbytes or size > self._room_bytes() or size <= 0:
             return None
-        plan = SegmentPlan(self._next_segment, size, shortage.dedicated)
+        plan = SegmentPlan(self._next_segment, size, shortage.dedicated, shortage.segment_class)
         self._next_segment += 1
         self._planned[plan.segment] = plan
         self._planned_bytes += size
@@ -289,8 +320,10 @@ class CpuArena:
         self._planned_bytes -= plan.size_bytes
         self.segments[segment.id] = segment
         self._segment_bytes_total += segment.size_bytes
-        log.info("CPU tier: segment %d of %d bytes%s%s%s", segment.id, segment.size_bytes,
+        log.info("CPU tier: segment %d of %d bytes%s%s%s%s", segment.id, segment.size_bytes,
                  " (dedicated)" if segment.dedicated else "",
+                 "" if segment.segment_class is None else
+                 f" for read-only namespace {segment.segment_class!r}",
                  ", huge pages" if segment.hugepages else "", ", locked" if segment.locked else "")
 
     def abandon(self, plan: SegmentPlan) -> None:
@@ -310,6 +343,15 @@ class CpuArena:
     def segment_fds(self) -> dict[int, tuple[int, int]]:
         """Each live segment's (memfd, size), for the fd channel."""
         return {s.id: (s.fd, s.size_bytes) for s in self.segments.values()}
+
+    def segment_class(self, segment_id: int) -> str | None:
+        """The class of a live segment (None: the default class, or no such segment)."""
+        segment = self.segments.get(segment_id)
+        return None if segment is None else segment.segment_class
+
+    def read_only_fd(self, segment_id: int) -> int:
+        """A live classed segment's read-only fd (-1 for a default-class segment)."""
+        return self.segments[segment_id].read_only_fd
 
     def address_of(self, piece: CpuSlice) -> int:
         """The daemon's address of a slice (for the native engine's I/O into it)."""
@@ -334,13 +376,18 @@ class CpuArena:
         return [(s.id, s.size_bytes, s.allocator.used_bytes) for s in self.segments.values()
                 if s.allocator.used_bytes]
 
-    def _empty_standard_bytes(self) -> int:
-        return sum(s.size_bytes for s in self.segments.values()
-                   if not s.dedicated and s.allocator.used_bytes == 0)
+    def _empty_standard(self, other_than: object = _ANY_CLASS) -> list[Segment]:
+        """Empty standard segments: of every class, or of a class other than `other_than` (for
+        a standard allocation of that class, which an empty one of its own would have served)."""
+        return [s for s in self.segments.values()
+                if not s.dedicated and s.allocator.used_bytes == 0
+                and (other_than is _ANY_CLASS or s.segment_class != other_than)]
 
-    def _retire_empty_standard(self, need: int) -> None:
-        for segment in [s for s in self.segments.values()
-                        if not s.dedicated and s.allocator.used_bytes == 0]:
+    def _empty_standard_bytes(self, other_than: object = _ANY_CLASS) -> int:
+        return sum(s.size_bytes for s in self._empty_standard(other_than))
+
+    def _retire_empty_standard(self, need: int, other_than: object = _ANY_CLASS) -> None:
+        for segment in self._empty_standard(other_than):
             if self._room_bytes() >= need:
                 break
             self._retire(segment)
@@ -373,6 +420,8 @@ class CpuArena:
             "free_bytes": self.budget_bytes - self.used_bytes,
             "num_segments": len(self.segments),
             "num_dedicated_segments": sum(1 for s in self.segments.values() if s.dedicated),
+            "num_read_only_segments": sum(1 for s in self.segments.values()
+                                          if s.segment_class is not None),
             "growing_bytes": self._planned_bytes,
             "huge_page_bytes": sum(s.size_bytes for s in self.segments.values() if s.hugepages),
         }

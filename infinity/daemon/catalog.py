@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from infinity.daemon.arena import CpuSlice
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
@@ -42,11 +42,12 @@ if TYPE_CHECKING:
 class Storage(Protocol):
     """What the catalog needs of the tiers below it (implemented by `tiers.TierManager`)."""
 
-    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
+    def allocate(self, nbytes: int, *, what: str, segment_class: str | None = None) -> CpuSlice:
         """A fresh CPU slice; may raise SpaceShortage (wait and retry) or a typed error."""
         ...
 
-    def allocate_spare(self, nbytes: int, *, what: str) -> CpuSlice | None:
+    def allocate_spare(self, nbytes: int, *, what: str,
+                       segment_class: str | None = None) -> CpuSlice | None:
         """A fresh CPU slice from room the tier already has, or None: never by evicting or
         waiting (a spare reservation is worth less than any tensor). Where the budget allows,
         it starts the tier's growth for the next spare."""
@@ -190,6 +191,8 @@ class Catalog:
     def __init__(self, storage: Storage, *, spare_budget_bytes: int = 0) -> None:
         self._space = storage
         self.spare_budget_bytes = spare_budget_bytes
+        # The segment class a namespace's slices come from (`arena`; the namespace records set it).
+        self.segment_class_of: Callable[[str], str | None] = lambda namespace: None
         self._namespaces: dict[str, dict[str, Version]] = {}
         self._holdings: dict[int, _Holdings] = {}
         self._ids = itertools.count(1)
@@ -388,7 +391,8 @@ class Catalog:
             raise LeaseError(
                 f"this client already holds a reservation for {name!r} in namespace "
                 f"{namespace!r}; commit or abort it first")
-        cpu = self._space.allocate(nbytes, what=f"tensor {name!r}") if nbytes else None
+        cpu = self._space.allocate(nbytes, what=f"tensor {name!r}",
+                                   segment_class=self.segment_class_of(namespace)) if nbytes else None
         reservation = Reservation(next(self._ids), client, key, dtype, shape, nbytes, cpu)
         holdings.reservations[key] = reservation
         self.num_reservations += 1
@@ -407,7 +411,8 @@ class Catalog:
         if (not nbytes or version.key in holdings.reservations
                 or self.spare_bytes + charge > self.spare_budget_bytes):
             return None
-        cpu = self._space.allocate_spare(nbytes, what=f"a spare slice of {version.key[1]!r}")
+        cpu = self._space.allocate_spare(nbytes, what=f"a spare slice of {version.key[1]!r}",
+                                         segment_class=self.segment_class_of(version.key[0]))
         if cpu is None:
             return None
         reservation = Reservation(next(self._ids), client, version.key, version.dtype,

@@ -5,7 +5,9 @@ token from `hello`, and asks for the segments it has not mapped yet: all of
 them at the handshake, then each new one the first time a reply points into
 it. Every answer also lists the segments retired since the last one, so the
 client can unmap them. The connection doubles as a liveness signal: it closes
-when the client process dies. All sockets are non-blocking and served from the
+when the client process dies. A segment of a read-only namespace's class
+(see `arena`) goes to every client that may not write that namespace as a
+read-only fd, which it can only map PROT_READ. All sockets are non-blocking and served from the
 event loop; a client that does not read its answers is disconnected rather
 than allowed to stall the loop.
 """
@@ -33,9 +35,13 @@ ACCEPT_PAUSE_S = 0.5
 
 
 class SegmentSource(Protocol):
-    """What the fd server needs of the arena: the live segments' fds and sizes."""
+    """What the fd server needs of the arena: the live segments' fds, sizes and classes."""
 
     def segment_fds(self) -> dict[int, tuple[int, int]]: ...
+
+    def segment_class(self, segment_id: int) -> str | None: ...
+
+    def read_only_fd(self, segment_id: int) -> int: ...
 
 
 class FdConnection:
@@ -50,8 +56,12 @@ class FdServer:
     def __init__(self, path: str, loop: EventLoop, segments: SegmentSource, *,
                  find_session: Callable[[bytes], Session | None],
                  on_bound: Callable[[Session, FdConnection], None],
-                 on_closed: Callable[[FdConnection], None]) -> None:
+                 on_closed: Callable[[FdConnection], None],
+                 may_write: Callable[[Session, str], bool] = lambda session, segment_class: True
+                 ) -> None:
         self.path = path
+        # Whether a session may write the segments of a class (a read-only namespace's own).
+        self._may_write = may_write
         self._loop = loop
         self._segments = segments
         self._find_session = find_session
@@ -161,11 +171,18 @@ class FdServer:
             more = start + chunk < len(ids)
             reply = FdReply(tuple(SegmentInfo(s, live[s][1]) for s in part),
                             tuple(sorted(retired)) if start == 0 else (), more)
-            if not self._send(conn, reply, [live[s][0] for s in part]):
+            if not self._send(conn, reply, [self._fd_for(session, s, live[s][0]) for s in part]):
                 return
             self.fds_sent += len(part)
         session.mapped_segments.update(ids)
         session.mapped_segments.difference_update(retired)
+
+    def _fd_for(self, session: Session, segment_id: int, fd: int) -> int:
+        """The segment's read-write fd, or its read-only one for a session that may not write it."""
+        segment_class = self._segments.segment_class(segment_id)
+        if segment_class is None or self._may_write(session, segment_class):
+            return fd
+        return self._segments.read_only_fd(segment_id)
 
     def _send(self, conn: FdConnection, reply: FdReply, fds: list[int]) -> bool:
         try:

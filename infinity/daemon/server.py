@@ -37,6 +37,7 @@ from infinity.daemon.arena import CpuArena, SpaceShortage
 from infinity.daemon.catalog import Catalog, Reservation, Version
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
+from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.scheduler import AccessKind, Scheduler, StreamKey
 from infinity.daemon.trace import Trace
 from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
@@ -147,6 +148,8 @@ class Daemon:
             self.loop.before_wait(self._plan_prefetch)
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.sessions = Sessions()
+        self.namespaces = Namespaces(self.catalog, session_alive=self.sessions.by_id.__contains__)
+        self.catalog.segment_class_of = self.namespaces.segment_class
         self.counters = DaemonCounters()
         self._started = time.monotonic()
         self._closing = False
@@ -158,7 +161,8 @@ class Daemon:
         self.router.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
         self.fds = FdServer(layout.fds_path, self.loop, self.arena,
                             find_session=self.sessions.by_token, on_bound=self._on_fd_bound,
-                            on_closed=self._on_fd_closed)
+                            on_closed=self._on_fd_closed,
+                            may_write=self.namespaces.may_map_writable)
         self._handlers: dict[str, Handler] = {
             "heartbeat": self._heartbeat,
             "get": self._get,
@@ -185,6 +189,7 @@ class Daemon:
             "step": self._step,
             "get_ahead": self._get_ahead,
             "upcoming": self._upcoming,
+            "namespace": self._namespace,
         }
 
     # --- lifecycle ----------------------------------------------------------------
@@ -449,6 +454,7 @@ class Daemon:
         now is leased; an item on NVMe alone is answered nil, neither loaded nor waited for
         (the client would block on a load the scheduler did not plan)."""
         items = (wire.Get if track else wire.GetAhead).from_body(body).items
+        self.namespaces.require_exclusive_gets(session, items)
         _, outcomes = self.catalog.acquire(session.id, request_id, items)
         results: list[Any] = []
         nbytes = 0
@@ -554,6 +560,7 @@ class Daemon:
         while request.index < len(request.items):
             item = request.items[request.index]
             try:
+                self.namespaces.require_reserve(session, item)
                 reservation = self.catalog.reserve(session.id, item.namespace, item.name,
                                                    item.dtype, item.shape)
             except SpaceShortage:
@@ -617,6 +624,7 @@ class Daemon:
         committed: list[tuple[int, Version]] = []
         for item in items:
             try:
+                self.namespaces.require_writable(session, item.namespace)
                 version = self.catalog.commit(session.id, item.namespace, item.name)
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
@@ -677,6 +685,7 @@ class Daemon:
     def _stream_open(self, session: Session, identity: bytes, request_id: int,
                      body: Sequence[Any]) -> None:
         message = wire.StreamOpen.from_body(body)
+        self.namespaces.require_stream(session, message)
         deferred = self._defer(session, identity, request_id, [None])
         deferred.left = 1
         session.counters.streams += 1
@@ -752,6 +761,7 @@ class Daemon:
         deferred = _Deferred(session, identity, request_id, results, 1)
         for item in message.items:
             try:
+                self.namespaces.require_writable(session, item.namespace)
                 version = self.catalog.delete(item.namespace, item.name)
             except InfinityError as exc:
                 results.append(self._item_error(session, exc))
@@ -795,6 +805,19 @@ class Daemon:
                 for v in self.catalog.listing(item.namespace, item.prefix, after=item.after,
                                               limit=wire.LIST_PAGE)])
         self._reply(identity, request_id, results)
+
+    def _namespace(self, session: Session, identity: bytes, request_id: int,
+                   body: Sequence[Any]) -> None:
+        message = wire.NamespaceOp.from_body(body)
+        if message.action == "create":
+            info = self.namespaces.create(
+                session, message.namespace, mode=message.mode, quota_bytes=message.quota_bytes,
+                has_tensors=message.namespace in self.catalog.namespace_counters)
+        elif message.action == "seal":
+            info = self.namespaces.seal(session, message.namespace)
+        else:
+            info = self.namespaces.info(message.namespace)
+        self._reply(identity, request_id, [info.to_wire()])
 
     def _stats(self, session: Session, identity: bytes, request_id: int, body: Sequence[Any]) -> None:
         wire.Stats.from_body(body)

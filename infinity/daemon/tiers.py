@@ -296,21 +296,22 @@ class TierManager:
 
     # --- the catalog's Storage hooks -------------------------------------------------
 
-    def allocate(self, nbytes: int, *, what: str) -> CpuSlice:
+    def allocate(self, nbytes: int, *, what: str, segment_class: str | None = None) -> CpuSlice:
         """A fresh CPU slice for a reservation, its 4 KiB padding zeroed (it is written to
         NVMe with the tensor). Raises SpaceShortage: wait with `when_space`, then retry."""
-        piece = self.allocate_slice(nbytes, what=what)
+        piece = self.allocate_slice(nbytes, what=what, segment_class=segment_class)
         self._zero_padding(piece, nbytes)
         return piece
 
-    def allocate_spare(self, nbytes: int, *, what: str) -> CpuSlice | None:
+    def allocate_spare(self, nbytes: int, *, what: str,
+                       segment_class: str | None = None) -> CpuSlice | None:
         if nbytes > self.arena.config.segment_bytes:
             return None  # it would need a dedicated segment of its own: growth
         if self._space_waiters:
             return None  # reserves and loads wait for room: theirs first
         arena = self.arena
         try:
-            piece = arena.allocate(nbytes, what=what)
+            piece = arena.allocate(nbytes, what=what, segment_class=segment_class)
         except SpaceShortage as shortage:
             # Not now: a spare never waits. But where the budget allows another segment, start
             # it, so that the next put of the tensor finds room for its spare.
@@ -370,7 +371,8 @@ class TierManager:
 
     # --- CPU space ---------------------------------------------------------------------
 
-    def allocate_slice(self, nbytes: int, *, what: str, prefetch_of: Key | None = None) -> CpuSlice:
+    def allocate_slice(self, nbytes: int, *, what: str, prefetch_of: Key | None = None,
+                       segment_class: str | None = None) -> CpuSlice:
         """A CPU slice of `nbytes` (> 0), evicting if the tier is full.
 
         Raises TooLargeError (more than the whole tier), TierFullError or the NVMe tier's
@@ -382,7 +384,7 @@ class TierManager:
         arena = self.arena
         while True:
             try:
-                return arena.allocate(nbytes, what=what)
+                return arena.allocate(nbytes, what=what, segment_class=segment_class)
             except SpaceShortage as shortage:
                 if self._start_growth(shortage):
                     raise
@@ -903,7 +905,8 @@ class TierManager:
             prefetch_of = version.key if load.prefetch and not load.waiters else None
             try:
                 load.piece = self.allocate_slice(
-                    version.nbytes, what=f"tensor {version.key[1]!r}", prefetch_of=prefetch_of)
+                    version.nbytes, what=f"tensor {version.key[1]!r}", prefetch_of=prefetch_of,
+                    segment_class=self._catalog.segment_class_of(version.key[0]))
             except SpaceShortage:
                 self.when_space(lambda error: (
                     self._continue_load(load) if error is None else self._loaded(load, error)))

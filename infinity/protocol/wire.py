@@ -40,9 +40,9 @@ import msgpack
 from infinity.errors import (InfinityError, InvalidRequestError, ProtocolError, VersionMismatchError,
                              error_from_code)
 
-PROTOCOL_VERSION = 6  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+PROTOCOL_VERSION = 7  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
-# 6: op detach
+# 6: op detach; 7: op namespace (records with a mode, an owner and a quota)
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
@@ -679,14 +679,51 @@ class Upcoming:
 
 MAX_UPCOMING_ENTRIES = 4096
 
+NAMESPACE_MODES = ("read-write", "read-only")
+NAMESPACE_ACTIONS = ("create", "info", "seal")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceOp:
+    """Creates, describes or seals a namespace record. `create` gives `namespace` a `mode`
+    ("read-write", or "read-only": only the creating client writes it, every other client reads
+    it through read-only mappings) and a byte quota (0: none); `info` describes it (a namespace
+    never created is read-write, with no owner and no quota); `seal`, by the owner of a
+    read-only namespace, stops its writes too, for good. One result, a NamespaceInfo."""
+
+    OP: ClassVar[str] = "namespace"
+    action: str
+    namespace: str
+    mode: str = "read-write"
+    quota_bytes: int = 0
+
+    def body(self) -> list[Any]:
+        return [self.action, self.namespace, self.mode, self.quota_bytes]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> NamespaceOp:
+        action, namespace, mode, quota = _list(body, "namespace", 4)
+        if action not in NAMESPACE_ACTIONS:
+            raise ProtocolError(f"malformed namespace request: the action must be one of "
+                                f"{', '.join(NAMESPACE_ACTIONS)}, not {_short(action)}")
+        namespace = _str(namespace, "namespace name")
+        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS or "\x00" in namespace:
+            raise ProtocolError(f"malformed namespace request: the namespace must have 1 to "
+                                f"{MAX_NAMESPACE_CHARS} characters, without NUL")
+        if mode not in NAMESPACE_MODES:
+            raise ProtocolError(f"malformed namespace request: the mode must be 'read-write' or "
+                                f"'read-only', not {_short(mode)}")
+        return cls(action, namespace, mode, _int(quota, "namespace quota_bytes"))
+
+
 Request = Union[Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
-                Delete, Exists, ListTensors, Step, GetAhead, Upcoming]
+                Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
     CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors, Step, GetAhead, Upcoming)}
+    ListTensors, Step, GetAhead, Upcoming, NamespaceOp)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach"})
@@ -918,6 +955,44 @@ class TensorInfo:
                    _str(dtype, "tensor info dtype"), _shape(shape, "tensor info shape"),
                    _int(nbytes, "tensor info nbytes"), _int(version, "tensor info version"),
                    _str(tier, "tensor info tier"))
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    """The answer to `namespace`: the record. `created`: False for a namespace only used (it
+    is then read-write, with no owner and no quota). `owner_client` is the owner's session id
+    (0: none), `owner_name` and `owner_pid` as the owner said at hello; `owner_alive`: whether
+    that session is still open (when it ends, a read-only namespace has no writer left).
+    `used_bytes`: its current tensors' bytes."""
+
+    namespace: str
+    mode: str
+    created: bool
+    owner_client: int
+    owner_name: str
+    owner_pid: int
+    owner_alive: bool
+    quota_bytes: int
+    used_bytes: int
+    sealed: bool
+
+    def to_wire(self) -> list[Any]:
+        return [self.namespace, self.mode, self.created, self.owner_client, self.owner_name,
+                self.owner_pid, self.owner_alive, self.quota_bytes, self.used_bytes, self.sealed]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> NamespaceInfo:
+        (ns, mode, created, owner, owner_name, owner_pid, owner_alive, quota, used,
+         sealed) = _list(value, "namespace info", 10)
+        if mode not in NAMESPACE_MODES:
+            raise ProtocolError(f"malformed namespace info: unknown mode {_short(mode)}")
+        return cls(_str(ns, "namespace info namespace"), mode,
+                   _bool(created, "namespace info created"), _int(owner, "namespace info owner"),
+                   _str(owner_name, "namespace info owner_name"),
+                   _int(owner_pid, "namespace info owner_pid"),
+                   _bool(owner_alive, "namespace info owner_alive"),
+                   _int(quota, "namespace info quota_bytes"), _int(used, "namespace info used_bytes"),
+                   _bool(sealed, "namespace info sealed"))
 
 
 def decode_version(value: Any) -> int:

@@ -1,0 +1,185 @@
+"""Namespace records: each namespace's mode, owner and quota, and the checks writes pass.
+
+A namespace is a string in every request; most are never created and stay what
+every namespace was before records existed: read-write, with no owner and no
+quota. `create` (the `namespace` op) gives one a record, before anything is put
+into it:
+
+- mode "read-write": anyone writes, as before; the record carries the quota.
+- mode "read-only": the creating session (its owner) writes it, e.g. to fill it
+  with a model's weights; every other client only reads. Its tensors sit in
+  segments of their own class (see `arena`), which the fd channel hands to
+  everyone but the owner as read-only fds, so the kernel refuses a reader's
+  stray write; a write request from a reader (put, reserve, commit, exclusive
+  get, delete, write stream) gets ReadOnlyNamespaceError. The owner may `seal`
+  it: from then on nobody writes, the owner included (for good: a namespace is
+  never unsealed). When the owner's session ends nobody writes it either: a
+  session id is never reused, so no later client becomes its owner.
+- quota (bytes, 0 for none): a reserve or write stream that would take the
+  namespace's current tensors past it gets QuotaExceededError. A reservation
+  counts at its reserve against what is published then (the version it would
+  replace not counted), so reservations of several names not yet committed at
+  once may take it past its quota by what they hold.
+
+Records live as long as the daemon: they are not kept in the store's index, so
+after a restart a restored namespace is read-write again until created anew.
+Loop thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+from infinity.daemon.catalog import NamespaceCounters, Version
+from infinity.daemon.sessions import Session
+from infinity.errors import (AlreadyExistsError, InvalidRequestError,
+                             QuotaExceededError, ReadOnlyNamespaceError)
+from infinity.protocol import dtypes
+from infinity.protocol.wire import NamespaceInfo, ReserveItem, StreamOpen
+
+READ_WRITE = "read-write"
+READ_ONLY = "read-only"
+
+
+class NamespaceUsage(Protocol):
+    """What the records need of the catalog (`catalog.Catalog`): the bytes of each namespace's
+    current tensors, and each name's current version."""
+
+    namespace_counters: dict[str, NamespaceCounters]
+
+    def exists(self, namespace: str, name: str) -> bool: ...
+
+    def current(self, namespace: str, name: str) -> Version: ...
+
+
+@dataclass(eq=False, slots=True)
+class NamespaceRecord:
+    name: str
+    mode: str
+    owner_client: int  # the creating session's id (session ids are never reused)
+    owner_name: str
+    owner_pid: int
+    quota_bytes: int  # 0: none
+    sealed: bool = False
+
+
+class Namespaces:
+    """The namespace records and the write checks the request handlers call."""
+
+    def __init__(self, usage: NamespaceUsage, *, session_alive: Callable[[int], bool]) -> None:
+        self._usage = usage
+        self._session_alive = session_alive
+        self._records: dict[str, NamespaceRecord] = {}
+        self._read_only: dict[str, NamespaceRecord] = {}  # the read-only ones, checked on gets
+        self._quotas: dict[str, NamespaceRecord] = {}  # the ones with a quota
+
+    # --- the namespace op ------------------------------------------------------------
+
+    def create(self, session: Session, namespace: str, *, mode: str, quota_bytes: int,
+               has_tensors: bool) -> NamespaceInfo:
+        if namespace in self._records:
+            raise AlreadyExistsError(
+                f"namespace {namespace!r} was created already; describe it with "
+                f"client.namespace_info({namespace!r}), or create one of another name")
+        if has_tensors:
+            raise InvalidRequestError(
+                f"namespace {namespace!r} holds tensors already; create a namespace before "
+                f"anything is put into it (delete its tensors first, or use another name)")
+        if mode not in (READ_WRITE, READ_ONLY):
+            raise InvalidRequestError(f"a namespace is 'read-write' or 'read-only', not "
+                                      f"{mode[:80]!r}")
+        record = NamespaceRecord(namespace, mode, session.id, session.name, session.pid,
+                                 quota_bytes)
+        self._records[namespace] = record
+        if mode == READ_ONLY:
+            self._read_only[namespace] = record
+        if quota_bytes:
+            self._quotas[namespace] = record
+        return self.info(namespace)
+
+    def seal(self, session: Session, namespace: str) -> NamespaceInfo:
+        record = self._read_only.get(namespace)
+        if record is None:
+            raise InvalidRequestError(
+                f"only a read-only namespace can be sealed, and {namespace!r} is not one; "
+                f"create it with mode='read-only' first")
+        if record.owner_client != session.id:
+            raise ReadOnlyNamespaceError(self._refusal(record, "sealed"))
+        record.sealed = True
+        return self.info(namespace)
+
+    def _used_bytes(self, namespace: str) -> int:
+        counters = self._usage.namespace_counters.get(namespace)
+        return 0 if counters is None else counters.bytes
+
+    def info(self, namespace: str) -> NamespaceInfo:
+        used = self._used_bytes(namespace)
+        record = self._records.get(namespace)
+        if record is None:
+            return NamespaceInfo(namespace, READ_WRITE, False, 0, "", 0, False, 0, used, False)
+        return NamespaceInfo(namespace, record.mode, True, record.owner_client, record.owner_name,
+                             record.owner_pid, self._session_alive(record.owner_client),
+                             record.quota_bytes, used, record.sealed)
+
+    # --- checks, one call at the top of each write handler's loop ------------------------
+
+    def require_writable(self, session: Session, namespace: str) -> None:
+        """ReadOnlyNamespaceError unless `session` may write `namespace`."""
+        record = self._read_only.get(namespace)
+        if record is not None and (record.sealed or record.owner_client != session.id):
+            raise ReadOnlyNamespaceError(self._refusal(record, "written"))
+
+    def require_exclusive_gets(self, session: Session,
+                               items: Iterable[tuple[str, str, bool]]) -> None:
+        """For a get: an exclusive lease is a write in place, refused as any other write.
+        Nothing to look at (the common case) while no namespace is read-only."""
+        if self._read_only:
+            for namespace, _, exclusive in items:
+                if exclusive:
+                    self.require_writable(session, namespace)
+
+    def require_reserve(self, session: Session, item: ReserveItem) -> None:
+        self.require_writable(session, item.namespace)
+        if item.namespace in self._quotas:
+            self._require_room(item.namespace, item.name,
+                               dtypes.tensor_nbytes(item.dtype, item.shape))
+
+    def require_stream(self, session: Session, message: StreamOpen) -> None:
+        """A write stream writes as a reserve does; a read stream is not checked."""
+        if message.mode == "write":
+            self.require_reserve(session, ReserveItem(message.namespace, message.name,
+                                                      message.dtype, message.shape))
+
+    def _require_room(self, namespace: str, name: str, nbytes: int) -> None:
+        quota = self._quotas[namespace].quota_bytes
+        usage = self._usage
+        replaced = usage.current(namespace, name).nbytes if usage.exists(namespace, name) else 0
+        after = self._used_bytes(namespace) - replaced + nbytes
+        if after > quota:
+            raise QuotaExceededError(
+                f"tensor {name!r} of {nbytes} bytes would take namespace {namespace!r} to "
+                f"{after} bytes, past its quota of {quota}; delete tensors of it first, or put "
+                f"this one into another namespace")
+
+    @staticmethod
+    def _refusal(record: NamespaceRecord, verb: str) -> str:
+        why = ("it was sealed" if record.sealed else
+               f"only its owner, client {record.owner_client} ({record.owner_name!r}, pid "
+               f"{record.owner_pid}), writes it")
+        return (f"namespace {record.name!r} is read-only and cannot be {verb} by this client: "
+                f"{why}; read it with get, or write into a namespace of your own")
+
+    # --- for the arena and the fd channel ------------------------------------------------
+
+    def segment_class(self, namespace: str) -> str | None:
+        """The class of the segments a namespace's tensors are placed in: its own for a
+        read-only namespace, the default (None) for every other."""
+        return namespace if namespace in self._read_only else None
+
+    def may_map_writable(self, session: Session, segment_class: str) -> bool:
+        """Whether a session gets a read-write fd for a segment of `segment_class`: only the
+        owner of an unsealed read-only namespace does (a read-only one for everyone else)."""
+        record = self._read_only.get(segment_class)
+        return record is None or (not record.sealed and record.owner_client == session.id)
+
