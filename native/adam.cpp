@@ -355,6 +355,50 @@ bool adam_step_range_with(const char* implementation, const AdamBuffers& buffers
 
 namespace {
 
+// The bound an Adam kernel is measured against: the same bytes moved (read param, grad and both
+// moments; write param, both moments and the low copy) with one add each, so memory alone limits it.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void bound_avx512(const AdamBuffers& b, size_t begin,
+                                                                        size_t end) {
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 g = load_grad16(b.grad, b.grad_type, i);
+    const __m512 p = _mm512_add_ps(_mm512_loadu_ps(b.param + i), g);
+    _mm512_storeu_ps(b.param + i, p);
+    _mm512_storeu_ps(b.exp_avg + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg + i), g));
+    _mm512_storeu_ps(b.exp_avg_sq + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg_sq + i), g));
+    if (b.low != nullptr) store_low16(b.low, b.low_type, i, p);
+  }
+  for (; i < end; ++i) {
+    const float g = load_grad(b.grad, b.grad_type, i);
+    b.param[i] += g;
+    b.exp_avg[i] += g;
+    b.exp_avg_sq[i] += g;
+    if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
+  }
+}
+
+void bound_scalar(const AdamBuffers& b, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const float g = load_grad(b.grad, b.grad_type, i);
+    b.param[i] += g;
+    b.exp_avg[i] += g;
+    b.exp_avg_sq[i] += g;
+    if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
+  }
+}
+
+}  // namespace
+
+void adam_bound_range(const AdamBuffers& buffers, size_t begin, size_t end) {
+  if (begin >= end) return;
+  if (kStep == step_avx512)
+    bound_avx512(buffers, begin, end);
+  else
+    bound_scalar(buffers, begin, end);
+}
+
+namespace {
+
 GradStats stats_scalar(const void* grad, ElementType type, size_t begin, size_t end) {
   GradStats out;
   for (size_t i = begin; i < end; ++i) {

@@ -47,6 +47,10 @@ void adam_step_range(const AdamBuffers& buffers, const AdamHyper& hyper, size_t 
 bool adam_step_range_with(const char* implementation, const AdamBuffers& buffers, const AdamHyper& hyper,
                           size_t begin, size_t end);
 
+// What bounds the kernel: the same memory traffic over [begin, end) with one add per buffer
+// (benchmarks only: it destroys the optimizer state it is given).
+void adam_bound_range(const AdamBuffers& buffers, size_t begin, size_t end);
+
 struct GradStats {
   double sum_of_squares = 0.0;   // of the gradient's elements, accumulated in double
   bool nonfinite = false;        // any inf or NaN among them

@@ -194,8 +194,11 @@ PYBIND11_MODULE(_native, m) {
             if (sizes[i] && sizes[j] && starts[i] < starts[j] + sizes[j] && starts[j] < starts[i] + sizes[i])
               throw py::value_error(std::string(names[i]) + " and " + names[j] +
                                     " overlap; each Adam buffer must be its own memory");
-        bool ran;
-        {
+        bool ran = true;
+        if (implementation == "bound") {  // the memory traffic alone, for benchmarks
+          py::gil_scoped_release nogil;
+          infinity::adam_bound_range(b, 0, n);
+        } else {
           py::gil_scoped_release nogil;
           ran = infinity::adam_step_range_with(implementation.c_str(), b, h, 0, n);
         }
@@ -207,7 +210,9 @@ PYBIND11_MODULE(_native, m) {
       py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "decoupled"_a,
       "grad_scale"_a = 1.0, "implementation"_a = "auto",
       "One Adam (decoupled=False) or AdamW step over numel fp32 elements in place, as torch's "
-      "single-tensor Adam computes it; writes the parameter's low-precision copy in the same pass.");
+      "single-tensor Adam computes it; writes the parameter's low-precision copy in the same pass. "
+      "implementation=\"bound\" moves the same bytes with one add each (a benchmark's bound; it "
+      "overwrites the state).");
   m.def(
       "grad_stats",
       [](uint64_t grad, const std::string& dtype, int64_t numel) {

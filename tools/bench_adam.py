@@ -1,0 +1,176 @@
+"""Benchmark the native Adam kernel against torch's CPU AdamW and the memory bound, in one run.
+
+    .venv/bin/python tools/bench_adam.py [--sizes 100M,400M] [--rounds 7] [--threads N]
+
+JSON on stdout, progress on stderr. Every subject updates the same fp32 buffers (parameter,
+gradient, both moments: 16 bytes of state per parameter read and 12 written), one step at a time,
+subjects in turn within each round (rotated), so the machine's background load falls on all alike:
+
+- `infinity`: `_native.adam_step` (AdamW, the path `adam_implementation()` names), the range
+  split across `--threads` threads (default: torch's intra-op thread count), each call without
+  the GIL; `infinity_1thread` the same on one thread;
+- `torch_foreach`: `torch.optim.AdamW(foreach=True)`; `torch_fused`: `torch.optim.AdamW(fused=True)`
+  (torch's fused CPU kernel), both holding the very same tensors as their state;
+- `bound`: the same bytes moved with one add per element (`implementation="bound"`), split like
+  `infinity`: what memory alone allows.
+
+Reported per subject: the median step time and parameters per second, and the ratios of
+`infinity` to the bound and to the best of torch's. DeepSpeed's `DeepSpeedCPUAdam` is not run
+here (it needs the peers' venv, tools/peers/setup_peers.sh); the note in docs/BENCHMARKS.md says
+which figures include it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from infinity import _native
+
+BYTES_MOVED_PER_PARAM = 28  # read p, g, m, v (16 bytes); write p, m, v (12 bytes)
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale != 1 else text) * scale)
+
+
+class Buffers:
+    """One parameter's fp32 buffers, shared by every subject."""
+
+    def __init__(self, numel: int) -> None:
+        generator = torch.Generator().manual_seed(numel)
+        self.param = torch.nn.Parameter(torch.randn(numel, generator=generator))
+        self.param.grad = torch.randn(numel, generator=generator)
+        self.exp_avg = torch.zeros(numel)
+        self.exp_avg_sq = torch.zeros(numel)
+        self.numel = numel
+
+
+def kernel_step(buffers: Buffers, pool: ThreadPoolExecutor | None, num_threads: int, step: int,
+                implementation: str) -> None:
+    grad = buffers.param.grad
+    assert grad is not None
+    addresses = (buffers.param.data_ptr(), grad.data_ptr(), buffers.exp_avg.data_ptr(),
+                 buffers.exp_avg_sq.data_ptr())
+
+    def run(begin: int, end: int) -> None:
+        _native.adam_step(addresses[0] + 4 * begin, addresses[1] + 4 * begin, "float32",
+                          addresses[2] + 4 * begin, addresses[3] + 4 * begin, 0, "none",
+                          end - begin, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.01, step=step, decoupled=True,
+                          implementation=implementation)
+
+    if pool is None or num_threads <= 1:
+        run(0, buffers.numel)
+        return
+    piece = -(-buffers.numel // num_threads)
+    piece = (piece + 1023) // 1024 * 1024  # whole cache lines and vectors per thread
+    ranges = [(b, min(b + piece, buffers.numel)) for b in range(0, buffers.numel, piece)]
+    for future in [pool.submit(run, b, e) for b, e in ranges]:
+        future.result()
+
+
+def torch_optimizer(buffers: Buffers, **options: Any) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW([buffers.param], lr=1e-4, weight_decay=0.01, **options)
+    # The same tensors as everyone else's moments: no second copy of the state.
+    optimizer.state[buffers.param] = {"step": torch.tensor(0.0), "exp_avg": buffers.exp_avg,
+                                      "exp_avg_sq": buffers.exp_avg_sq}
+    return optimizer
+
+
+def measure(numel: int, rounds: int, num_threads: int, progress: Progress) -> dict[str, Any]:
+    buffers = Buffers(numel)
+    pool = ThreadPoolExecutor(max_workers=num_threads) if num_threads > 1 else None
+    foreach = torch_optimizer(buffers, foreach=True)
+    fused = torch_optimizer(buffers, fused=True)
+    steps = {"n": 0}
+
+    def ours(threads: int, implementation: str = "auto") -> Callable[[], None]:
+        def run() -> None:
+            steps["n"] += 1
+            kernel_step(buffers, pool if threads > 1 else None, threads, steps["n"], implementation)
+        return run
+
+    subjects: dict[str, Callable[[], None]] = {
+        "infinity": ours(num_threads),
+        "infinity_1thread": ours(1),
+        "torch_foreach": foreach.step,
+        "torch_fused": fused.step,
+        "bound": ours(num_threads, "bound"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in subjects}
+    order = list(subjects.items())
+    task = progress.add_task(f"{numel / 1e6:.0f}M parameters", total=rounds * len(order))
+    for name, subject in order:  # warm-up: page faults, thread start, torch's first-call setup
+        subject()
+    for round_ in range(rounds):
+        shift = round_ % len(order)
+        for name, subject in order[shift:] + order[:shift]:
+            # The values drift as every subject updates the same state; keep them finite.
+            if round_ and name == "bound":
+                buffers.exp_avg.zero_()
+                buffers.exp_avg_sq.zero_()
+            start = time.perf_counter()
+            subject()
+            times[name].append(time.perf_counter() - start)
+            progress.advance(task)
+    if pool is not None:
+        pool.shutdown()
+    result: dict[str, Any] = {}
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        result[name] = {"median_s": round(median, 5), "params_per_s": round(numel / median),
+                        "gbytes_per_s": round(numel * BYTES_MOVED_PER_PARAM / median / 1e9, 2)}
+    ours_s = result["infinity"]["median_s"]
+    best_torch = min(result["torch_foreach"]["median_s"], result["torch_fused"]["median_s"])
+    result["ratios"] = {
+        "infinity_over_bound": round(result["bound"]["median_s"] / ours_s, 3),
+        "infinity_over_best_torch": round(best_torch / ours_s, 3),
+        "infinity_over_torch_fused": round(result["torch_fused"]["median_s"] / ours_s, 3),
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100M,400M", help="parameter counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    sizes = [parse_count(text) for text in args.sizes.split(",")]
+    console = Console(stderr=True)
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "kernel_threads": args.threads, "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "adam_implementation": _native.adam_implementation(),
+                    "torch": torch.__version__},
+        "rounds": args.rounds,
+        "sizes": {},
+    }
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        for numel in sizes:
+            report["sizes"][str(numel)] = measure(numel, args.rounds, args.threads, progress)
+    ratios = [size["ratios"] for size in report["sizes"].values()]
+    report["targets_met"] = {
+        "kernel >= 0.95x bound": all(r["infinity_over_bound"] >= 0.95 for r in ratios),
+        "kernel >= best of torch's": all(r["infinity_over_best_torch"] >= 1.0 for r in ratios),
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
