@@ -612,10 +612,10 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
         sched.step_begin(s, now)
 
     def expected() -> list[tuple[float, TensorKey]]:
-        resident = list(sched._resident)
+        resident = list(sched._residency.resident)
         need = {key: sched.next_use_s(key) for key in resident}  # direct bisect per trace
         infinite = sorted((key for key in resident if need[key] == float("inf")),
-                          key=lambda key: (sched._recency.get(key, 0), key))
+                          key=lambda key: (sched._nextuse.recency(key), key))
         finite = sorted((key for key in resident if need[key] != float("inf")), key=lambda key: -need[key])
         return [(need[key], key) for key in infinite + finite]
 
@@ -638,13 +638,13 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
             sched.touched(s, key, MiB, now, write=rng.random() < 0.05)
         elif roll < 0.8:
             key = rng.choice(pool)
-            if key not in sched._resident:
+            if key not in sched._residency.resident:
                 sched.load_started(key, MiB, now, prefetch=rng.random() < 0.5)
                 sched.load_finished(key, now)
         else:
-            if sched._resident:
-                sched.evicted(rng.choice(sorted(sched._resident)), now)
-        got = [(use, key) for use, key, _ in sched._eviction_order()]
+            if sched._residency.resident:
+                sched.evicted(rng.choice(sorted(sched._residency.resident)), now)
+        got = [(use, key) for use, key, _ in sched._nextuse.eviction_order()]
         want = expected()
         assert [key for use, key in got if use == float("inf")] == [
             key for use, key in want if use == float("inf")]
