@@ -90,7 +90,8 @@ class Residency:
     def add(self, key: TensorKey, nbytes: int, *, prefetched: bool = False,
             prefetched_for: StreamKey | None = None) -> None:
         """`key` is resident at `nbytes`, replacing what the view had of it."""
-        self.drop(key)
+        if key in self.resident:
+            self.drop(key)
         self.resident[key] = nbytes
         if prefetched:
             self.prefetched[key] = prefetched_for
@@ -129,7 +130,8 @@ class Residency:
 
     def start_load(self, key: TensorKey, load: Load) -> None:
         """A load of `key` started; whatever the tier had of it is replaced."""
-        self.drop(key)
+        if key in self.resident:
+            self.drop(key)
         self.inflight[key] = load
         self.inflight_bytes += load.nbytes
         self._add_namespace_bytes(key, load.nbytes)

@@ -30,7 +30,11 @@ __all__ = ["Steps"]
 
 
 class Steps:
-    """The streams (`streams`: read by the index and the planner, changed only here)."""
+    """The streams and their step lifecycle; `Scheduler` documents each event's meaning.
+
+    `streams` is shared with the next-use index and the planner, which read
+    it; streams are created, changed in state and removed only here.
+    """
 
     def __init__(self, config: SchedulerConfig, streams: dict[StreamKey, Stream],
                  nextuse: NextUseIndex, residency: Residency) -> None:

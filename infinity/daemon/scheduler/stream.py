@@ -2,10 +2,11 @@
 
 A stream is one (namespace, client name): the client's step trace, where a
 replaying step is in it, what a recording step has seen, its wait and stall
-bookkeeping and its counters. This module holds the records only; the step
-lifecycle that changes them is `infinity.daemon.scheduler.steps`, and the
-next-use index keeps its per-stream part here too (the fields it writes are
-marked below).
+bookkeeping and its counters. This module holds the records only: the step
+lifecycle that changes them is `infinity.daemon.scheduler.steps`, the
+scheduler's access and load accounting adds to the counters
+(`infinity.daemon.scheduler.core`), and the next-use index keeps its
+per-stream part here too (the fields it writes are marked below).
 """
 
 from __future__ import annotations
