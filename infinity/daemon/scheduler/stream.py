@@ -61,6 +61,8 @@ class Counters:
 
 
 class StreamState(str, Enum):
+    """Where a stream is in its steps."""
+
     IDLE = "idle"  # between steps (or never marked one)
     RECORDING = "recording"
     REPLAYING = "replaying"
@@ -68,6 +70,8 @@ class StreamState(str, Enum):
 
 @dataclass(slots=True)
 class Stream:
+    """One client's stream: its trace, its step under way, its waits and its counters."""
+
     key: StreamKey
     active: bool = True
     state: StreamState = StreamState.IDLE
