@@ -10,6 +10,7 @@ import pytest
 
 from infinity.daemon.policy import EvictionPolicy, LruPolicy
 from infinity.daemon.scheduler import AccessKind, Scheduler, SchedulerConfig, StreamKey, TensorKey
+from infinity.daemon.scheduler.residency import Load, Residency
 from infinity.daemon.trace import Trace, TraceEntry
 from infinity.errors import ConfigError
 
@@ -612,10 +613,10 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
         sched.step_begin(s, now)
 
     def expected() -> list[tuple[float, TensorKey]]:
-        resident = list(sched._resident)
+        resident = list(sched._residency.resident)
         need = {key: sched.next_use_s(key) for key in resident}  # direct bisect per trace
         infinite = sorted((key for key in resident if need[key] == float("inf")),
-                          key=lambda key: (sched._recency.get(key, 0), key))
+                          key=lambda key: (sched._nextuse.recency(key), key))
         finite = sorted((key for key in resident if need[key] != float("inf")), key=lambda key: -need[key])
         return [(need[key], key) for key in infinite + finite]
 
@@ -638,13 +639,13 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
             sched.touched(s, key, MiB, now, write=rng.random() < 0.05)
         elif roll < 0.8:
             key = rng.choice(pool)
-            if key not in sched._resident:
+            if key not in sched._residency.resident:
                 sched.load_started(key, MiB, now, prefetch=rng.random() < 0.5)
                 sched.load_finished(key, now)
         else:
-            if sched._resident:
-                sched.evicted(rng.choice(sorted(sched._resident)), now)
-        got = [(use, key) for use, key, _ in sched._eviction_order()]
+            if sched._residency.resident:
+                sched.evicted(rng.choice(sorted(sched._residency.resident)), now)
+        got = [(use, key) for use, key, _ in sched._nextuse.eviction_order()]
         want = expected()
         assert [key for use, key in got if use == float("inf")] == [
             key for use, key in want if use == float("inf")]
@@ -654,3 +655,41 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
             [want_by_key[key] for key in sorted(want_by_key)])
         finite = [use for use, _ in got if use != float("inf")]
         assert finite == sorted(finite, reverse=True)
+
+
+# --- the residency view (infinity.daemon.scheduler.residency) ------------------------------
+
+
+def test_resident_and_loading_bytes_are_counted_per_namespace_until_evicted() -> None:
+    sched = scheduler(64)
+    sched.load_started(k(0), 2 * MiB, 0.0, prefetch=False, stream=TRAINER)
+    sched.load_started(k(1, "other"), MiB, 0.0, prefetch=False, stream=TRAINER)
+    loading = sched.snapshot()
+    assert (loading["inflight_bytes"], loading["resident_bytes"]) == (3 * MiB, 0)
+    assert {n["namespace"]: n["bytes"] for n in loading["namespaces"]} == {"ns": 2 * MiB, "other": MiB}
+
+    sched.load_finished(k(0), 0.1)
+    sched.load_finished(k(1, "other"), 0.1)
+    sched.evicted(k(1, "other"), 0.2)
+    after = sched.snapshot()
+    assert (after["inflight_bytes"], after["resident_bytes"], after["resident_tensors"]) == (0, 2 * MiB, 1)
+    assert {n["namespace"]: n["bytes"] for n in after["namespaces"]} == {"ns": 2 * MiB}
+
+
+def test_residency_view_tells_its_watcher_of_each_arrival_and_departure() -> None:
+    # The next-use index keeps itself in step with residency through these calls only.
+    view = Residency()
+    heard: list[tuple[str, TensorKey]] = []
+    view.watch(added=lambda key: heard.append(("added", key)),
+               dropped=lambda key: heard.append(("dropped", key)))
+    view.add(k(0), MiB)
+    view.make_resident(k(0), MiB)  # known at this size: nothing changes
+    view.make_resident(k(0), 2 * MiB)  # a new size replaces it
+    view.start_load(k(0), Load(MiB, prefetch=False, stream=None))  # a reload replaces it too
+    view.make_resident(k(0), MiB)  # the load in flight will say
+    view.end_load(k(0))
+    view.adopt([k(1)])  # a candidate it never heard of
+    view.forget(k(1))
+    assert heard == [("added", k(0)), ("dropped", k(0)), ("added", k(0)), ("dropped", k(0)),
+                     ("added", k(1)), ("dropped", k(1))]
+    assert (len(view), view.resident_bytes, view.inflight_bytes, view.namespace_bytes("ns")) == (0, 0, 0, 0)
