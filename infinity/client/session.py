@@ -213,7 +213,7 @@ class Session:
                 channel.close()
 
 
-    # --- released leases, told with the next message ----------------------------------------
+    # --- released leases, told with the next message -------------------------------------
 
     def _release(self, lease_ids: list[int], *, exclusive: bool) -> None:
         if self._forked or self._closed:
@@ -237,7 +237,7 @@ class Session:
             with self._pending_lock:
                 self._pending_releases[:0] = lease_ids
 
-    # --- what the calls share ---------------------------------------------------------------------
+    # --- what the calls share -----------------------------------------------------------
 
     def _abort_quietly(self, names: list[str], namespace: str) -> None:
         """Abort these reservations, ignoring a failure: for clearing up after another error."""
@@ -263,11 +263,6 @@ class Session:
         assert self._segments is not None
         return self._segments.ranges()
 
-    def shutdown_daemon(self) -> None:
-        """Ask infinityd to stop cleanly (what `infinityd stop` does); this client is closed."""
-        self._call(wire.Shutdown())
-        self._teardown(send_bye=False)
-
     # --- closing ------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -276,6 +271,11 @@ class Session:
             self._closed = True  # the parent's sockets are not ours to touch
             return
         self._teardown(send_bye=True)
+
+    def shutdown_daemon(self) -> None:
+        """Ask infinityd to stop cleanly (what `infinityd stop` does); this client is closed."""
+        self._call(wire.Shutdown())
+        self._teardown(send_bye=False)
 
     def _teardown(self, *, send_bye: bool) -> None:
         if self._closed:
