@@ -207,7 +207,7 @@ class LeaseCalls(Session):
         try:
             return self._lease_once(request, exclusive=exclusive, single=single)
         except TierFullError:
-            if not self._spares:
+            if not self._spares.held:
                 raise
             # The spares this client's puts left take room in the tier, in segments a tensor
             # larger than a segment would need emptied: give them back and ask once more, as

@@ -54,13 +54,14 @@ class SpareReservations:
         # to write into without asking (an older one might be another tensor's memory by now).
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        self._held: dict[Key, Spare] = {}
+        # Read it freely (unlocked, a hint); change it only through the methods.
+        self.held: dict[Key, Spare] = {}
         # Spares the heartbeat thread is giving back, and the event set once the daemon has them.
         self.returning: set[Key] = set()
         self._returned = threading.Event()
 
     def __bool__(self) -> bool:
-        return bool(self._held)  # without the lock: a hint, as every caller uses it
+        return bool(self.held)
 
     def take(self, wanted: list[wire.ReserveItem]) -> tuple[dict[str, Spare], list[str]]:
         """The spares that fit `wanted` (taken: they are the caller's now), and the names whose
@@ -68,11 +69,11 @@ class SpareReservations:
         taken: dict[str, Spare] = {}
         stale: list[str] = []
         with self._lock_for([(item.namespace, item.name) for item in wanted]):
-            if not self._held:
+            if not self.held:
                 return taken, stale
             oldest = time.monotonic() - self.max_age_s
             for item in wanted:
-                spare = self._held.pop((item.namespace, item.name), None)
+                spare = self.held.pop((item.namespace, item.name), None)
                 if spare is None:
                     continue
                 if (spare.dtype == item.dtype and spare.shape == item.shape
@@ -86,16 +87,16 @@ class SpareReservations:
         """Spares taken for a reserve that failed: still reserved, still unwritten."""
         with self._lock:
             for name, spare in taken.items():
-                self._held[(namespace, name)] = spare
+                self.held[(namespace, name)] = spare
 
     def forget(self, namespace: str, names: Iterable[str]) -> list[str]:
         """Drop the records of these names' spares; returns the names that had one."""
         listed = list(names)
         with self._lock_for([(namespace, name) for name in listed]):
-            if not self._held:
+            if not self.held:
                 return []
             return [name for name in listed
-                    if self._held.pop((namespace, name), None) is not None]
+                    if self.held.pop((namespace, name), None) is not None]
 
     def keep(self, namespace: str, name: str, placement: Placement, granted_s: float) -> None:
         """Hold the spare a commit left for `name`."""
@@ -106,13 +107,13 @@ class SpareReservations:
             self._abort_quietly([name], namespace)
             return
         with self._lock:
-            self._held[(namespace, name)] = Spare(placement.dtype, placement.shape, view,
+            self.held[(namespace, name)] = Spare(placement.dtype, placement.shape, view,
                                                   granted_s)
 
     def clear(self) -> None:
         """Forget every spare without a word to the daemon (it discards them with the session)."""
         with self._lock:
-            self._held.clear()
+            self.held.clear()
 
     @contextlib.contextmanager
     def _lock_for(self, keys: list[Key]) -> Iterator[None]:
@@ -136,7 +137,7 @@ class SpareReservations:
         # Under the lock until the daemon has them back: a put on another thread that finds no
         # spare must not reserve a name whose spare the daemon still holds.
         with self._lock:
-            keys, self._held = list(self._held), {}
+            keys, self.held = list(self.held), {}
             _abort_keys(keys, call)
 
     def give_back_old(self, call: Call) -> None:
@@ -144,15 +145,15 @@ class SpareReservations:
         and a name not put again (a tensor put for the last time, or deleted by another client)
         would otherwise hold its spare's room in the tier until the session ends. Runs on the
         heartbeat thread; `call` sends over its channel."""
-        if not self._held:  # the common case, without the lock
+        if not self.held:  # the common case, without the lock
             return
         with self._lock:
             oldest = time.monotonic() - self.max_age_s
-            old = [key for key, spare in self._held.items() if spare.granted_s < oldest]
+            old = [key for key, spare in self.held.items() if spare.granted_s < oldest]
             if not old:
                 return
             for key in old:
-                del self._held[key]
+                del self.held[key]
             # Not under the lock while the daemon answers (a stalled daemon would hold up
             # close() and every put): threads that want these names wait (`_lock_for`).
             self.returning = set(old)

@@ -47,7 +47,7 @@ class WriteCalls(Session):
         except BaseException:
             self._spares.put_back(namespace, taken)
             raise
-        if self._spares and any(type(r) is ItemError and r.code == TierFullError.code
+        if self._spares.held and any(type(r) is ItemError and r.code == TierFullError.code
                                 for r in results):
             # The spares this client holds take room in the tier: give them back and ask
             # again for what did not fit (a spare is only a shortcut for a later put).
