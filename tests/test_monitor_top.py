@@ -58,6 +58,16 @@ def test_json_snapshot_is_a_one_off_request_that_imports_no_torch(daemon: Any, c
     assert torch_modules(imported) == set()
 
 
+def test_the_data_api_imports_neither_the_ui_nor_torch() -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import infinity.monitor.collector"],
+                            capture_output=True, text=True, timeout=60)
+    imported = imported_modules(result.stderr)
+    assert result.returncode == 0 and "infinity.client.admin" in imported
+    assert torch_modules(imported) == set()
+    assert {name for name in imported if name == "rich" or name.startswith("rich.")
+            or name == "infinity.monitor.top"} == set()
+
+
 def test_infinityd_status_is_a_one_off_request_that_imports_no_torch(daemon: Any) -> None:
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "infinity.daemon.main", "status",
                              "--json", *settings_as_flags(daemon.config)],
