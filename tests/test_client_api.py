@@ -552,7 +552,7 @@ def test_a_forked_child_putting_is_told_to_connect_again_even_while_a_parent_thr
     # wait on that lock, which no thread of its own will ever release.
     started, finish = threading.Event(), threading.Event()
     slow = torch.ones(1021)
-    import infinity.client.client as client_module
+    import infinity.client.writes as client_module  # where put fills its slices
     copy_into = client_module.copy_into
 
     def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

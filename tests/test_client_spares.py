@@ -302,7 +302,7 @@ def giving_back_to_a_stopped_daemon(daemon: RunningDaemon, client: Any) -> Itera
     put_twice(client, "last", torch.ones(4097))
     daemon.process.send_signal(signal.SIGSTOP)
     try:
-        wait_until(lambda: client._returning, timeout_s=10,
+        wait_until(lambda: client._spares.returning, timeout_s=10,
                    what="the heartbeat thread to give the old spare back")
         yield
     finally:

@@ -1,4 +1,5 @@
-"""infinity-top reads a real daemon's stats, and says in words when there is none."""
+"""infinity-top reads a real daemon's stats, and says in words when there is none; it and
+`infinityd status` ask with one-off requests, without torch."""
 
 from __future__ import annotations
 
@@ -33,6 +34,49 @@ def test_json_snapshot_shows_clients_and_the_cpu_tier(daemon: Any, client: Any) 
     assert result.returncode == 0 and snapshot["error"] is None
     assert "pytest" in {c["name"] for c in snapshot["stats"]["clients"]}
     assert snapshot["stats"]["tiers"]["cpu"]["used_bytes"] >= 4004
+
+
+def imported_modules(importtime_report: str) -> set[str]:
+    """The modules a `python -X importtime` run imported, from its report on stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_report.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def torch_modules(modules: set[str]) -> set[str]:
+    return {name for name in modules if name == "torch" or name.startswith("torch.")}
+
+
+def test_json_snapshot_is_a_one_off_request_that_imports_no_torch(daemon: Any, client: Any) -> None:
+    client.put("w", torch.ones(3))
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "infinity.monitor.top", "--json",
+                             *settings_as_flags(daemon.config)], capture_output=True, text=True, timeout=60)
+    snapshot = json.loads(result.stdout)
+    assert result.returncode == 0 and snapshot["error"] is None
+    assert snapshot["stats"]["catalog"]["num_tensors"] == 1
+    imported = imported_modules(result.stderr)
+    assert "infinity.monitor.collector" in imported  # the report was read
+    assert torch_modules(imported) == set()
+
+
+def test_the_data_api_imports_neither_the_ui_nor_torch() -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import infinity.monitor.collector"],
+                            capture_output=True, text=True, timeout=60)
+    imported = imported_modules(result.stderr)
+    assert result.returncode == 0 and "infinity.client.admin" in imported
+    assert torch_modules(imported) == set()
+    assert {name for name in imported if name == "rich" or name.startswith("rich.")
+            or name == "infinity.monitor.top"} == set()
+
+
+def test_infinityd_status_is_a_one_off_request_that_imports_no_torch(daemon: Any) -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "infinity.daemon.main", "status",
+                             "--json", *settings_as_flags(daemon.config)],
+                            capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["daemon"]["pid"] == daemon.process.pid
+    imported = imported_modules(result.stderr)
+    assert "infinity.client.admin" in imported  # the report was read
+    assert torch_modules(imported) == set()
 
 
 def test_once_draws_the_tables(daemon: Any) -> None:

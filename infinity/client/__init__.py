@@ -1,9 +1,15 @@
 """The client side: transport to infinityd and the Client API.
 
-`client` holds `connect()`, `Client` and `Lease`; `channel` the per-thread
-ZeroMQ transport; `segments` the shared-memory mappings and tensor views;
-`launch` starting a daemon on request; `admin` one-off requests without
-torch (status, stop). Nothing here imports infinity.daemon.
+`client` holds `connect()` and `Client`, which joins the calls kept by job:
+`leases` (get, `Lease`), `writes` (reserve, commit, put), `streams`
+(write_from, read_into), `steps` (steps and traces), `queries` (exists, list,
+delete, stats), over `session` (the connection: hello and fd handshake,
+per-thread channels, heartbeat, releases riding with the next message, close).
+`spares` keeps the spare reservations puts leave; `tensors` checks what callers
+pass. `channel` is the per-thread ZeroMQ transport; `segments` the shared-memory
+mappings and tensor views; `device` the GPU-side cache; `launch` starting a
+daemon on request; `admin` one-off requests without torch (status, stop,
+infinity-top). Nothing here imports infinity.daemon.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One-off requests to infinityd without a full Client: what `infinityd status` and `stop` use.
+"""One-off requests to infinityd without a full Client: what `infinityd status`, `stop` and
+`infinity-top` use.
 
 No torch and no shared memory: a single channel opens a session, asks, and
 says bye. The session has no fd channel, so the daemon watches it through
@@ -55,9 +56,9 @@ def _request(config: InfinityConfig, message: wire.Request, *, name: str) -> Any
         context.term()
 
 
-def daemon_stats(config: InfinityConfig) -> dict[str, Any]:
-    """The daemon's `stats` map."""
-    return wire.decode_stats(_request(config, wire.Stats(), name=STATUS_CLIENT_NAME))
+def daemon_stats(config: InfinityConfig, *, name: str = STATUS_CLIENT_NAME) -> dict[str, Any]:
+    """The daemon's `stats` map; `name` is the session's, as the daemon lists it among clients."""
+    return wire.decode_stats(_request(config, wire.Stats(), name=name))
 
 
 def shutdown_daemon(config: InfinityConfig) -> None:

@@ -3,6 +3,9 @@
 It never imports the UI. Drawing code reads `latest()`, which returns at once;
 when the daemon cannot be reached the snapshot says so (`error`) instead of
 raising, so a monitor keeps running across daemon restarts.
+
+Each poll is one one-off `stats` request (`infinity.client.admin`), not a Client:
+no torch, no shared-memory segments mapped, no fd handshake.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infinity.client.admin import MONITOR_CLIENT_NAME
+from infinity.client.admin import MONITOR_CLIENT_NAME, daemon_stats
 from infinity.config import InfinityConfig
 from infinity.errors import InfinityError
 
@@ -53,18 +56,11 @@ class StatsCollector:
 
     def poll_once(self) -> Snapshot:
         """One snapshot, taken on the calling thread."""
-        import infinity
-
         try:
-            client = infinity.connect(config=self.config, name=MONITOR_CLIENT_NAME)
+            stats = daemon_stats(self.config, name=MONITOR_CLIENT_NAME)
         except InfinityError as exc:
             return Snapshot(time.time(), error=str(exc))
-        try:
-            return Snapshot(time.time(), stats=client.stats())
-        except InfinityError as exc:
-            return Snapshot(time.time(), error=str(exc))
-        finally:
-            client.close()
+        return Snapshot(time.time(), stats=stats)
 
     def _run(self) -> None:
         while not self._stop.is_set():

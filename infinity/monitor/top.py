@@ -169,3 +169,7 @@ def _print_snapshots(collector: StatsCollector, *, interval_s: float) -> int:
         # Python flushes stdout again at exit; on the closed pipe that would print an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

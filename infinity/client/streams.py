@@ -1,0 +1,183 @@
+"""Streams: tensors of any size written from or read into a caller's tensor, in chunks.
+
+`StreamCalls` holds the Client's write_from and read_into. A stream opens on the daemon
+(stream_open), moves its bytes through staging slices of the CPU tier (stream_chunk requests
+kept nvme.stream_depth deep, one slot each), and closes (stream_close, committing a write).
+A small tensor, or any without an NVMe tier, goes directly through one slice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from infinity.client.channel import Channel
+from infinity.client.segments import dtype_name
+from infinity.client.session import Session
+from infinity.client.tensors import byte_view
+from infinity.errors import InfinityError, InvalidRequestError
+from infinity.io import copy_into
+from infinity.protocol import wire
+from infinity.protocol.wire import ItemError
+
+
+class StreamCalls(Session):
+    """The Client's stream calls."""
+
+    def read_into(self, name: str, out: torch.Tensor, *, namespace: str = "default") -> int:
+        """Copy tensor `name` into `out`, whatever its size; returns the version read.
+
+        `out` is any contiguous tensor (any device) of exactly the tensor's byte size; its
+        dtype and shape are not checked. A resident tensor is copied from its shared slice;
+        one only on NVMe is read in chunks of nvme.stream_chunk_bytes through staging slices
+        of the CPU tier (CRC32C verified), nvme.stream_depth of them in flight, without
+        loading it into the tier. Works for tensors larger than the CPU tier, which `get`
+        refuses (TooLargeError).
+        """
+        flat = byte_view(out, "out", written=True)
+        info = self._open_stream(wire.StreamOpen(namespace, name, "read"))
+        try:
+            if info.nbytes != flat.numel():
+                raise InvalidRequestError(
+                    f"tensor {name!r} in namespace {namespace!r} has {info.nbytes} bytes but `out` "
+                    f"holds {flat.numel()}; pass an output of exactly that many bytes")
+            self._stream_in(info, flat)
+        except BaseException:
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+        return self._close_stream(info, commit=False, durable=False)
+
+    def write_from(self, name: str, src: torch.Tensor, *, namespace: str = "default",
+                   durable: bool = False) -> int:
+        """Store a copy of `src` (any contiguous tensor, any size) as `name`'s new version.
+
+        With an NVMe tier, a tensor larger than one chunk goes in chunks through staging
+        slices of the CPU tier straight to fresh NVMe extents (its version then lives on NVMe
+        only, until a get loads it); a smaller one, or any without an NVMe tier, is a `put`.
+        Nothing is published unless every byte was written. durable=True: return once it is
+        durable (see `commit`). Returns the version number.
+        """
+        flat = byte_view(src, "src", written=False)
+        self._check_usable()  # before any lock: see `commit`
+        if self._spares.forget(namespace, [name]):
+            self._abort_quietly([name], namespace)  # the stream reserves the name itself
+        info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
+                                                 tuple(src.shape)))
+        try:
+            self._stream_out(info, flat)
+        except BaseException:
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+        try:
+            return self._close_stream(info, commit=True, durable=durable)
+        except InfinityError:
+            # A close refused as a whole (durable without an NVMe tier) left the stream open.
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+
+    def _open_stream(self, message: wire.StreamOpen) -> wire.StreamInfo:
+        (result,) = self._call(message, on_late_reply=self._late_stream_undo)
+        self._raise_first([result])
+        return wire.StreamInfo.from_wire(result)
+
+    def _late_stream_undo(self, reply: wire.Reply) -> None:
+        """As `_late_lease_undo`, for a stream_open given up on: the stream it opened (its
+        staging slices, its extents or its read lease) is closed without committing."""
+        if reply.failure is None and reply.results and type(reply.results[0]) is not ItemError:
+            info = wire.StreamInfo.from_wire(reply.results[0])
+            self._send(wire.StreamClose(info.stream_id, False, False))  # its answer not waited for
+
+    def _close_stream(self, info: wire.StreamInfo, *, commit: bool, durable: bool,
+                      quiet: bool = False) -> int:
+        try:
+            (result,) = self._call(wire.StreamClose(info.stream_id, commit, durable),
+                                   patient=durable)
+            self._raise_first([result])
+        except InfinityError:
+            if quiet:
+                return 0  # already failing: the first error is the one to raise
+            raise
+        return int(result)
+
+    def _slot_views(self, info: wire.StreamInfo) -> list[torch.Tensor]:
+        assert self._segments is not None
+        return [self._segments.view(slot) for slot in info.slots]
+
+    def _chunk(self, channel: Channel, info: wire.StreamInfo, slot: int, offset: int,
+               nbytes: int) -> int:
+        request_id = next(self._request_ids)
+        channel.send(request_id, wire.StreamChunk(info.stream_id, slot, offset, nbytes),
+                     expect_reply=True, releases=self._take_releases())
+        return request_id
+
+    def _chunk_done(self, channel: Channel, request_id: int) -> None:
+        self._raise_first(self._results(channel.wait(request_id, what="a stream chunk")))
+
+    def _drain(self, channel: Channel, pending: deque[tuple[int, int, int, int]]) -> None:
+        """After a failure: collect the replies still due, so the channel holds no strays."""
+        while pending:
+            request_id = pending.popleft()[0]
+            try:
+                channel.wait(request_id, what="a stream chunk")
+            except InfinityError:
+                return  # the daemon is gone: nothing more will come
+
+    def _stream_in(self, info: wire.StreamInfo, flat: torch.Tensor) -> None:
+        if info.direct:
+            if info.nbytes:
+                flat.copy_(self._slot_views(info)[0][:info.nbytes])
+            return
+        self._check_usable()
+        channel = self._channel()
+        slots = self._slot_views(info)
+        offsets = iter(range(0, info.nbytes, info.chunk_bytes))
+        pending: deque[tuple[int, int, int, int]] = deque()  # (request id, slot, offset, n)
+
+        def issue(slot: int) -> None:
+            offset = next(offsets, None)
+            if offset is not None:
+                n = min(info.chunk_bytes, info.nbytes - offset)
+                pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
+
+        try:
+            for slot in range(len(slots)):
+                issue(slot)
+            while pending:
+                request_id, slot, offset, n = pending.popleft()
+                self._chunk_done(channel, request_id)
+                flat[offset:offset + n].copy_(slots[slot][:n])
+                issue(slot)
+        except BaseException:
+            self._drain(channel, pending)
+            raise
+
+    def _stream_out(self, info: wire.StreamInfo, flat: torch.Tensor) -> None:
+        if info.nbytes != flat.numel():
+            raise InvalidRequestError(f"the stream takes {info.nbytes} bytes, not {flat.numel()}")
+        if info.direct:
+            if info.nbytes:
+                copy_into(self._slot_views(info)[0][:info.nbytes], flat)
+            return
+        self._check_usable()
+        channel = self._channel()
+        slots = self._slot_views(info)
+        free = list(range(len(slots)))
+        pending: deque[tuple[int, int, int, int]] = deque()
+        try:
+            for offset in range(0, info.nbytes, info.chunk_bytes):
+                if not free:
+                    request_id, slot, _, _ = pending.popleft()
+                    self._chunk_done(channel, request_id)
+                    free.append(slot)
+                slot = free.pop()
+                n = min(info.chunk_bytes, info.nbytes - offset)
+                # Streaming stores: this process never reads the slice back.
+                copy_into(slots[slot][:n], flat[offset:offset + n])
+                pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
+            while pending:
+                self._chunk_done(channel, pending.popleft()[0])
+        except BaseException:
+            self._drain(channel, pending)
+            raise
+
