@@ -38,6 +38,9 @@ REQUESTS: list[wire.Request] = [
     wire.Step("ns", "begin"),
     wire.GetAhead((wire.GetItem("ns", "next"),)),
     wire.Upcoming("ns", 16, 1 << 30),
+    wire.Multi.of([(78, wire.Get((wire.GetItem("ns", "w"),))),
+                   (79, wire.Reserve((wire.ReserveItem("ns", "w.grad", "float32", (4,)),))),
+                   (80, wire.Release((3,)))]),
 ]
 
 
