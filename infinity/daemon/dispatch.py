@@ -187,7 +187,7 @@ class Dispatcher:
         """Send a handler's result (see services.base), or have a Deferred send it when done."""
         kind = type(result)
         if kind is Packed:
-            data = wire.encode_packed_reply(request_id, result.parts)
+            data = wire.encode_packed_reply(request_id, result)
         elif kind is list:
             data = wire.encode_reply(request_id, result)
         elif kind is Deferred:
@@ -267,7 +267,7 @@ def _packed_part(result: Any) -> bytes:
     """A request's result as one part of a multi's reply."""
     kind = type(result)
     if kind is Packed:
-        return wire.encode_packed_results(result.parts)
+        return wire.encode_packed_results(result)
     if kind is Deferred:
         return wire.encode_results(result.results)
     return wire.encode_results([] if result is None else result)

@@ -19,7 +19,8 @@ Control plane (ZeroMQ, one msgpack frame per message):
 `multi` carries several requests in one message (a module's gets and its
 gradients' puts, say): its body is a list of [op, request_id, body], each
 served in order exactly as if sent alone (its own request id names its lease or
-stream), and answered in one reply whose results are one per request: [None,
+stream; one that waits, as a reserve for CPU space, does not hold back those
+behind it), and answered in one reply whose results are one per request: [None,
 [result, ...]] with that request's results (empty for one that gets no reply
 alone), or [error_code, message] where that request as a whole failed.
 
@@ -702,7 +703,9 @@ class Multi:
     """Several requests in one message, served in order, answered in one reply: one result per
     request, the list of its results (empty for a request that gets no reply alone), or the
     error that failed it as a whole. Each request has its own request id, as if sent alone (a
-    get's names its lease), distinct within the message. On the wire, each is [op, request_id,
+    get's names its lease), distinct within the message. They start in order, and each goes
+    on as it would alone: a reserve that waits for CPU space makes its reservation when the
+    room comes, maybe after the requests behind it were served. On the wire, each is [op, request_id,
     body]; decoding decodes each body by its own schema, so a malformed one fails the whole
     message. Build one with `Multi.of`; split its reply with `split_multi_reply`."""
 

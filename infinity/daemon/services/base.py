@@ -25,13 +25,9 @@ from infinity.errors import InfinityError
 from infinity.protocol.wire import ItemError
 
 
-class Packed:
-    """Results packed one by one (`wire.pack_result`), sent as they are."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: list[bytes]) -> None:
-        self.parts = parts
+class Packed(list):  # type: ignore[type-arg]
+    """Results packed one by one (`wire.pack_result`), sent as they are. (A list of its own
+    type, not a wrapper: no Python-level constructor on the path of every get.)"""
 
 
 class Deferred:
