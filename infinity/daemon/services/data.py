@@ -106,6 +106,7 @@ class DataService:
         """track=False (get_ahead): unseen by the scheduler, and only what the CPU tier holds
         now is leased; an item on NVMe alone is answered nil, neither loaded nor waited for
         (the client would block on a load the scheduler did not plan)."""
+        # Checks of the items' namespaces (an exclusive get writes) go here, before acquire.
         _, outcomes = self.catalog.acquire(session.id, request_id, message.items)
         results: list[Any] = []
         nbytes = 0
@@ -203,6 +204,7 @@ class DataService:
 
     def reserve(self, session: Session, request_id: int, message: wire.Reserve
                 ) -> list[Any] | Deferred:
+        # Checks of the items' namespaces (a put writes) go here, before anything is reserved.
         return self._continue_reserve(_ParkedReserve(session, message.items, []))
 
     def _continue_reserve(self, request: _ParkedReserve) -> list[Any] | Deferred:
@@ -269,7 +271,9 @@ class DataService:
     def _publish(self, session: Session, items: Sequence[wire.TensorRef]
                  ) -> tuple[list[Any], list[tuple[int, Version]]]:
         """Commit each item of a commit request: the results (version or error, item by item)
-        and the (result index, version) of those that were published."""
+        and the (result index, version) of those that were published. Every commit request
+        (commit, commit_renew, commit_durable) publishes here: per-item checks of a commit go
+        at the top of the loop."""
         results: list[Any] = []
         committed: list[tuple[int, Version]] = []
         for item in items:
