@@ -85,16 +85,15 @@ class Dispatcher:
         for schema, handler in openers.items():
             self._add(self._openers, schema, handler)
         for schema, handler in socket_routes.items():
-            if getattr(schema, "OP") in self._routes:
-                raise ValueError(f"op {getattr(schema, 'OP')!r} is registered twice")
             self._add(self._socket_routes, schema, handler)
 
-    @staticmethod
-    def _add(table: dict[str, Any], schema: type, handler: Any) -> None:
+    def _add(self, table: dict[str, Any], schema: type, handler: Any) -> None:
         op: str = getattr(schema, "OP")
         if wire.REQUESTS.get(op) is not schema:
             raise ValueError(f"{schema.__name__} is not the request schema of op {op!r} in wire")
-        if op in table:
+        # From a session's socket, an op has one handler, whichever table holds it.
+        tables = (table,) if table is self._openers else (self._routes, self._socket_routes)
+        if any(op in taken for taken in tables):
             raise ValueError(f"op {op!r} is registered twice")
         table[op] = (getattr(schema, "from_body"), handler)
 
