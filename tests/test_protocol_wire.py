@@ -39,6 +39,9 @@ REQUESTS: list[wire.Request] = [
     wire.GetAhead((wire.GetItem("ns", "next"),)),
     wire.Upcoming("ns", 16, 1 << 30),
     wire.NamespaceOp("create", "model", "read-only", 1 << 30),
+    wire.Multi.of([(78, wire.Get((wire.GetItem("ns", "w"),))),
+                   (79, wire.Reserve((wire.ReserveItem("ns", "w.grad", "float32", (4,)),))),
+                   (80, wire.Release((3,)))]),
 ]
 
 
@@ -256,3 +259,45 @@ def test_releases_of_ids_no_get_could_have_are_malformed() -> None:
 def test_a_step_namespace_with_a_nul_is_malformed_as_a_tensors_would_be() -> None:
     with pytest.raises(ProtocolError, match="without NUL"):
         wire.Step.from_body(["model\x00a", "begin"])
+
+
+def test_a_multi_reply_splits_into_the_replies_each_request_would_have_had_alone() -> None:
+    placement = wire.Placement(1, 4096, 8, "float32", (2,), 3).to_wire()
+    parts = [wire.encode_packed_results([wire.pack_result(placement)]),
+             wire.encode_results([True, wire.ItemError("not_found", "no such tensor")]),
+             wire.ItemError("invalid_request", "no NVMe tier"),
+             wire.encode_results([])]
+    reply = wire.decode_reply(wire.encode_multi_reply(40, parts))
+    got, seen, durable, released = wire.split_multi_reply(reply, [41, 42, 43, 44])
+    assert (got.request_id, wire.Placement.from_wire(got.results[0]).version) == (41, 3)
+    assert seen.results == (True, wire.ItemError("not_found", "no such tensor"))
+    assert durable.failure == wire.ItemError("invalid_request", "no NVMe tier")
+    assert released == wire.Reply(44, ())
+
+
+def test_a_multi_that_failed_as_a_whole_fails_each_of_its_requests() -> None:
+    failure = wire.ItemError("protocol", "malformed multi")
+    replies = wire.split_multi_reply(wire.Reply(40, (), failure), [41, 42])
+    assert [r.failure for r in replies] == [failure, failure]
+
+
+@pytest.mark.parametrize("body", [
+    [],
+    [["list", 5, [["ns", "", ""]]]],
+    [["multi", 5, []]],
+    [["hello", 5, [wire.PROTOCOL_VERSION, "x", 1, 0.0]]],
+    [["exists", 5, [["ns", "a"]]], ["exists", 5, [["ns", "b"]]]],
+    [["exists", 0, [["ns", "a"]]]],
+    [["exists", 5]],
+    [["step", 5, ["ns", "sideways"]]],
+], ids=["empty", "list", "nested", "hello", "same ids", "id 0", "no body", "bad body"])
+def test_a_malformed_multi_is_refused_whole(body: list[object]) -> None:
+    with pytest.raises(ProtocolError):
+        _decode(msgpack.packb(["multi", 4, body]))
+
+
+def test_a_multi_the_daemon_would_refuse_is_refused_before_sending() -> None:
+    exists = wire.Exists((wire.TensorRef("ns", "a"),))
+    for requests in ([], [(5, exists), (5, exists)], [(5, wire.Stats())], [(0, exists)]):
+        with pytest.raises(InvalidRequestError):
+            wire.Multi.of(requests)

@@ -204,6 +204,23 @@ class Channel:
         return self.wait(request_id, what=message.OP, patient=patient,
                          on_late_reply=on_late_reply)
 
+    def call_multi(self, request_id: int, requests: Sequence[tuple[int, wire.Request]], *,
+                   releases: Sequence[int] = (), patient: bool = False,
+                   on_late_reply: LateReply | None = None) -> tuple[wire.Reply, ...]:
+        """Send several requests, each (its own request id, request), in one `multi` message,
+        served in order; their replies, as each would have had alone, come back in one reply.
+        A multi refused as a whole (malformed, say) fails each of them the same way.
+        on_late_reply: the undo of the multi's whole reply, should this give up on it."""
+        try:
+            message = wire.Multi.of(requests)
+        except Exception:  # refused before sending: the releases it carried ride again
+            if releases and self._unsent is not None:
+                self._unsent(releases)
+            raise
+        reply = self.call(request_id, message, releases=releases, patient=patient,
+                          on_late_reply=on_late_reply)
+        return wire.split_multi_reply(reply, [sub_id for sub_id, _ in requests])
+
     def call_packed(self, request_id: int, message: wire.Request, *,
                     releases: Sequence[int] = (),
                     on_late_reply: LateReply | None = None) -> wire.Reply | bytes:

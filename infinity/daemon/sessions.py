@@ -6,6 +6,10 @@ it the same way. A session ends on `bye`, when the client process exits (its
 pidfd becomes readable, or its fd channel closes), or when nothing, heartbeats
 included, arrived for `daemon.client_timeout_s`. Per-client counters are kept
 here as work happens, for `stats` and the monitor.
+
+Sessions are numbered from 1. What the daemon holds in the catalog for work of
+its own (a read stream's lease) is held as `DAEMON_CLIENT_ID`, an identity no
+session has: it is neither counted as a client's nor dropped with one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from infinity.protocol.wire import Hello
 # psutil computes a start time from the same boot time and tick count in every process,
 # so the client's own figure and ours agree to the bit; the slack covers float printing only.
 START_TIME_SLACK_S = 0.005
+# The catalog's client id for the daemon's own work: below every session's (and not 0, which
+# the catalog uses for "nobody").
+DAEMON_CLIENT_ID = -1
 
 
 @dataclass(slots=True)

@@ -18,6 +18,11 @@ A stream is either
   reported before any byte moves) and publishes the new version, NVMe only,
   when it closes with commit.
 
+A read stream's lease is the daemon's own, not the client's: it is held under
+`DAEMON_CLIENT_ID` with a lease id of this table's, so no release of the client
+can end it and the client's end does not drop it under chunks still in flight;
+the stream's close (or discard) releases it.
+
 This module holds the streams' state; the tier manager does the I/O. It knows
 nothing of sockets: results go to callbacks, on the loop thread.
 """
@@ -25,6 +30,7 @@ nothing of sockets: results go to callbacks, on the loop thread.
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +38,7 @@ from typing import Callable
 from infinity.config import MiB, NvmeConfig
 from infinity.daemon.arena import CpuSlice, SpaceShortage
 from infinity.daemon.catalog import Catalog, Key, Version, check_key
+from infinity.daemon.sessions import DAEMON_CLIENT_ID
 from infinity.daemon.tiers import DiskCopy, TierManager
 from infinity.errors import (InfinityError, InvalidRequestError, LeaseError, OutOfRangeError,
                              TierFullError)
@@ -57,7 +64,8 @@ class Stream:
     shape: tuple[int, ...]
     nbytes: int
     direct: bool = False
-    version: Version | None = None  # read: the version streamed (leased under `id`)
+    version: Version | None = None  # read: the version streamed (leased by the daemon)
+    lease_id: int = 0  # read: the daemon's lease of `version` (under DAEMON_CLIENT_ID)
     layout: TensorLayout | None = None  # staged write: the extents being filled
     sync_failures_before: int = 0  # staged write: see `DiskCopy.sync_failures_before`
     crcs: array.array[int] | None = None  # staged write: checksums, filled by the engine
@@ -75,12 +83,6 @@ class Stream:
                      for s in self.slots)
 
 
-def _lease_id(stream_id: int) -> int:
-    """A read stream's lease: outside the ids a client may release (`wire.Release`), so only
-    the stream's close ends it, never a release of the request id that opened it."""
-    return -stream_id
-
-
 class StreamTable:
     """Every open stream, by (client, stream id). Loop thread only."""
 
@@ -93,6 +95,7 @@ class StreamTable:
         self.catalog = catalog
         self.tiers = tiers
         self._streams: dict[tuple[int, int], Stream] = {}
+        self._lease_ids = itertools.count(1)  # the daemon's leases of read streams' versions
         self.opened = 0
 
     def __len__(self) -> int:
@@ -122,14 +125,15 @@ class StreamTable:
             self._fill_slots(stream, done)
 
     def _open_read(self, client: int, stream_id: int, key: Key) -> Stream:
-        lease, outcomes = self.catalog.acquire(client, _lease_id(stream_id),
+        lease_id = next(self._lease_ids)
+        lease, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, lease_id,
                                                [(key[0], key[1], False)])
         outcome = outcomes[0]
         if not isinstance(outcome, Version):
             raise outcome
         version = outcome
         stream = Stream(stream_id, client, "read", key, version.dtype, version.shape,
-                        version.nbytes, version=version)
+                        version.nbytes, version=version, lease_id=lease_id)
         if version.cpu is not None or not version.nbytes:
             stream.direct = True
             if version.cpu is not None:
@@ -137,7 +141,7 @@ class StreamTable:
                 if self.tiers.nvme is not None:
                     self.tiers.touched(version)
         elif version.nvme is None:
-            self.catalog.release(client, _lease_id(stream_id))
+            self.catalog.release(DAEMON_CLIENT_ID, lease_id)
             raise InvalidRequestError(f"tensor {key[1]!r} has no bytes to stream (internal error)")
         return stream
 
@@ -348,10 +352,7 @@ class StreamTable:
         self._streams.pop((stream.client, stream.id), None)
         if stream.mode == "read":
             if stream.version is not None:
-                try:
-                    self.catalog.release(stream.client, _lease_id(stream.id))
-                except InfinityError:
-                    pass  # the client's leases were dropped with it
+                self.catalog.release(DAEMON_CLIENT_ID, stream.lease_id)
                 stream.version = None
             if not stream.direct:
                 for piece in stream.slots:

@@ -16,6 +16,14 @@ Control plane (ZeroMQ, one msgpack frame per message):
               a result is [None, value] or [error_code, message]
     error     ["error", request_id or 0, error_code, message]   the request as a whole failed
 
+`multi` carries several requests in one message (a module's gets and its
+gradients' puts, say): its body is a list of [op, request_id, body], each
+served in order exactly as if sent alone (its own request id names its lease or
+stream; one that waits, as a reserve for CPU space, does not hold back those
+behind it), and answered in one reply whose results are one per request: [None,
+[result, ...]] with that request's results (empty for one that gets no reply
+alone), or [error_code, message] where that request as a whole failed.
+
 `hello` is the first message of a session; its body starts with the protocol
 version in every version of the protocol, so a mismatched client is told so.
 `heartbeat`, `release`, `prefetch` and `bye` get no reply. Some replies come
@@ -42,7 +50,8 @@ from infinity.errors import (InfinityError, InvalidRequestError, ProtocolError, 
 
 PROTOCOL_VERSION = 7  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
-# 6: op detach; 7: op namespace (records with a mode, an owner and a quota)
+# 6: op detach; 7: ops namespace (records with a mode, an owner and a quota) and multi
+# (several requests in one message, answered in one reply)
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
@@ -408,8 +417,8 @@ class Release:
 
 
 def _is_lease_id(value: Any) -> bool:
-    """A lease is named by the request id of the get that took it, in [1, 2**63); the daemon's
-    own leases (a read stream's) lie outside, so no release can end them."""
+    """A lease is named by the request id of the get that took it, in [1, 2**63). (The daemon's
+    own leases, a read stream's, are held under its own identity, which no release names.)"""
     return type(value) is int and 0 < value < 2**63
 
 
@@ -716,14 +725,85 @@ class NamespaceOp:
         return cls(action, namespace, mode, _int(quota, "namespace quota_bytes"))
 
 
+# The requests a `multi` may carry: those of the data path. Not those about the session or the
+# socket (hello, attach, detach, bye), the daemon (stats, shutdown, flush_store), nor those whose
+# answer may be much larger than their request (list, upcoming): one small message must not
+# make a reply of many megabytes.
+MULTI_OPS = frozenset({"get", "get_ahead", "release", "reserve", "commit", "commit_renew",
+                       "commit_durable", "abort", "prefetch", "delete", "exists", "heartbeat",
+                       "step", "stream_open", "stream_chunk", "stream_close"})
+MAX_MULTI_REQUESTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Multi:
+    """Several requests in one message, served in order, answered in one reply: one result per
+    request, the list of its results (empty for a request that gets no reply alone), or the
+    error that failed it as a whole. Each request has its own request id, as if sent alone (a
+    get's names its lease), distinct within the message. They start in order, and each goes
+    on as it would alone: a reserve that waits for CPU space makes its reservation when the
+    room comes, maybe after the requests behind it were served. On the wire, each is [op, request_id,
+    body]; decoding decodes each body by its own schema, so a malformed one fails the whole
+    message. Build one with `Multi.of`; split its reply with `split_multi_reply`."""
+
+    OP: ClassVar[str] = "multi"
+    requests: tuple[tuple[int, Request], ...]  # (request id, request), in order
+
+    def body(self) -> list[Any]:
+        return [[message.OP, request_id, message.body()] for request_id, message in self.requests]
+
+    @classmethod
+    def of(cls, requests: Sequence[tuple[int, Request]]) -> Multi:
+        """A multi of (request id, request) pairs; InvalidRequestError for one it may not carry."""
+        if not 0 < len(requests) <= MAX_MULTI_REQUESTS:
+            raise InvalidRequestError(
+                f"a multi request carries 1 to {MAX_MULTI_REQUESTS} requests, not {len(requests)}; "
+                f"split it")
+        if len({request_id for request_id, _ in requests}) != len(requests):
+            raise InvalidRequestError("the requests of a multi need distinct request ids")
+        for request_id, message in requests:
+            if message.OP not in MULTI_OPS:
+                raise InvalidRequestError(
+                    f"a multi request cannot carry a {message.OP} request; send it alone")
+            if not _is_lease_id(request_id):
+                raise InvalidRequestError(f"a request id is an integer in [1, 2**63), not "
+                                          f"{_short(request_id)}")
+            items = len(message.body())
+            if items > MAX_ITEMS:
+                raise InvalidRequestError(
+                    f"a {message.OP} request carries {items} items, more than the {MAX_ITEMS} "
+                    f"one request may; split the batch")
+        return cls(tuple(requests))
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Multi:
+        if not 0 < len(body) <= MAX_MULTI_REQUESTS:
+            raise ProtocolError(f"malformed multi: it carries 1 to {MAX_MULTI_REQUESTS} requests, "
+                                f"not {len(body)}")
+        requests: list[tuple[int, Request]] = []
+        seen: set[int] = set()
+        for value in body:
+            op, request_id, sub_body = _list(value, "multi request", 3)
+            if type(op) is not str or op not in MULTI_OPS:
+                raise ProtocolError(f"malformed multi: it cannot carry the operation {_short(op)}; "
+                                    f"it carries {', '.join(sorted(MULTI_OPS))}")
+            if not _is_lease_id(request_id) or request_id in seen:
+                raise ProtocolError("malformed multi: each request's id must be an integer in "
+                                    "[1, 2**63), distinct within the message")
+            seen.add(request_id)
+            requests.append((request_id, REQUESTS[op].from_body(
+                _list(sub_body, f"multi {op} request body"))))
+        return cls(tuple(requests))
+
+
 Request = Union[Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
-                Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp]
+                Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
     CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors, Step, GetAhead, Upcoming, NamespaceOp)}
+    ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach"})
@@ -1060,14 +1140,55 @@ def pack_result(value: Any) -> bytes:
 
 def encode_packed_reply(request_id: int, packed: Sequence[bytes]) -> bytes:
     """The same bytes as `encode_reply(request_id, results)` for results packed by `pack_result`."""
-    count = len(packed)
+    return b"".join((_REPLY_HEAD, _pack(request_id), _array_header(len(packed)), *packed))
+
+
+def _array_header(count: int) -> bytes:
+    """The msgpack header of an array of `count` values."""
     if count < 16:
-        header = bytes((0x90 | count,))
-    elif count < 1 << 16:
-        header = b"\xdc" + count.to_bytes(2, "big")
-    else:
-        header = b"\xdd" + count.to_bytes(4, "big")
-    return b"".join((_REPLY_HEAD, _pack(request_id), header, *packed))
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def encode_results(results: Sequence[Result]) -> bytes:
+    """One request's results packed as a `multi` reply carries them (`encode_multi_reply`)."""
+    return _pack([[r.code, r.message] if type(r) is ItemError else [None, r] for r in results])
+
+
+def encode_packed_results(packed: Sequence[bytes]) -> bytes:
+    """As `encode_results`, for results packed by `pack_result`."""
+    return b"".join((_array_header(len(packed)), *packed))
+
+
+_SERVED_HEAD = b"\x92\xc0"  # [None, ...]: a request of a multi that was served
+
+
+def encode_multi_reply(request_id: int, parts: Sequence[bytes | ItemError]) -> bytes:
+    """The reply to a `multi`: one part per request, in order, each its results from
+    `encode_results` or `encode_packed_results`, or the ItemError that failed it as a whole."""
+    chunks = [_REPLY_HEAD, _pack(request_id), _array_header(len(parts))]
+    for part in parts:
+        if type(part) is ItemError:
+            chunks.append(_pack([part.code, part.message]))
+        else:
+            chunks.append(_SERVED_HEAD)
+            chunks.append(cast(bytes, part))
+    return b"".join(chunks)
+
+
+def split_multi_reply(reply: Reply, request_ids: Sequence[int]) -> tuple[Reply, ...]:
+    """A `multi`'s reply as the replies its requests (`request_ids`, in order) would have had
+    alone: a multi that failed as a whole fails each of them the same way."""
+    if reply.failure is not None:
+        return tuple(Reply(request_id, (), reply.failure) for request_id in request_ids)
+    if len(reply.results) != len(request_ids):
+        raise ProtocolError(f"malformed multi reply: {len(reply.results)} results for "
+                            f"{len(request_ids)} requests")
+    return tuple(Reply(request_id, (), result) if type(result) is ItemError
+                 else Reply(request_id, _results(result))
+                 for request_id, result in zip(request_ids, reply.results))
 
 
 def encode_error(request_id: int, error: ItemError) -> bytes:
