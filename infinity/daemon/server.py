@@ -34,13 +34,15 @@ import zmq
 from infinity import __version__
 from infinity.config import InfinityConfig
 from infinity.daemon.arena import CpuArena, SpaceShortage
-from infinity.daemon.catalog import Catalog, Reservation, Version
+from infinity.daemon.catalog import Catalog, Reservation, Version, version_clock
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.scheduler import AccessKind, Scheduler, StreamKey
 from infinity.daemon.trace import Trace
 from infinity.daemon.sessions import Session, Sessions, counters_dict, open_pidfd
 from infinity.daemon.streams import StreamTable
+from infinity.daemon.residency import Residency
+from infinity.daemon.restore import restore_catalog
 from infinity.daemon.tiers import TierManager
 from infinity.errors import InfinityError, ProtocolError
 from infinity.protocol import wire
@@ -122,16 +124,23 @@ class Daemon:
         self.loop = EventLoop()
         self.arena = CpuArena(config.cpu, poison=config.daemon.poison_released,
                               on_retire=self._on_segment_retired)
+        # Built in one pass, each from what is built before it: residency (the one owner of
+        # what is in the CPU tier, which the scheduler and the tiers ask), the scheduler, the
+        # tiers, then the catalog on top of them; both stamp from one clock.
+        self.residency = Residency()
         # The scheduler decides what the CPU tier keeps and loads ahead; with no NVMe tier
         # everything is resident and there is nothing to decide.
         self.scheduler: Scheduler | None = None
         if config.nvme.dirs:
             self.scheduler = Scheduler(config.scheduler, cpu_tier_bytes=config.cpu.budget_bytes,
-                                       is_pinned=lambda key: key not in self.tiers.candidates)
-        self.tiers = TierManager(config, self.loop, self.arena, scheduler=self.scheduler)
-        self.catalog = Catalog(self.tiers, spare_budget_bytes=config.cpu.spare_budget_bytes)
-        self.tiers.attach(self.catalog)
-        restored = self.tiers.restore()
+                                       is_pinned=self.residency.is_pinned)
+        clock = version_clock()
+        self.tiers = TierManager(config, self.loop, self.arena, self.residency, clock=clock,
+                                 scheduler=self.scheduler,
+                                 on_change=self._plan_soon if self.scheduler is not None else None)
+        self.catalog = Catalog(self.tiers, clock=clock,
+                               spare_budget_bytes=config.cpu.spare_budget_bytes)
+        restored = restore_catalog(self.catalog, self.tiers.durability)
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
         self._stream_owners: dict[StreamKey, int] = {}  # stream -> the live session that holds it
@@ -143,7 +152,6 @@ class Daemon:
         self._plan_timer = False  # a lazy plan is scheduled (see _get)
         if self.scheduler is not None:
             self._restore_traces()
-            self.tiers.on_change = self._plan_soon
             self.loop.before_wait(self._plan_prefetch)
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.sessions = Sessions()
