@@ -62,7 +62,9 @@ class TierSpace:
         # what is being evicted beyond them is room nobody waits for yet (`infinity.daemon.eviction`).
         self.awaited_bytes = 0
         self._disk_growth: dict[int, list[Callback]] = {}
-        self.num_versions = 0  # published and not freed yet (current, held, or with I/O on it)
+        # Published and not freed yet (current, held, or with I/O on it): counted up by the
+        # catalog's `published` hook (`Eviction.published`), down by `_free`.
+        self.num_versions = 0
         self.version_bytes = 0
 
     # --- CPU slices ------------------------------------------------------------------------
@@ -255,11 +257,6 @@ class TierSpace:
             self.release_copy(copy)
 
     # --- versions' lifetimes ----------------------------------------------------------------
-
-    def born(self, version: Version) -> None:
-        """A version was published: it is counted until it is freed."""
-        self.num_versions += 1
-        self.version_bytes += version.nbytes
 
     def released(self, version: Version) -> None:
         """The catalog holds `version` no more: free its CPU slice and NVMe copy, now or once

@@ -103,10 +103,12 @@ class Candidates(Mapping[Key, int]):
         if version.shared or version.exclusive or version.cpu is None:
             return False
         residency = self._residency
-        writeback = residency.writebacks.get(version)
+        writebacks = residency.writebacks
+        writeback = writebacks.get(version) if writebacks else None
         if writeback is not None and writeback.evict:
             return False
-        if version in residency.loads:
+        loads = residency.loads
+        if loads and version in loads:
             return False
         return not version.dirty or writeback is not None or residency.write_error is None
 
@@ -153,7 +155,8 @@ class Residency:
 
     def place(self, version: Version) -> Version | None:
         """`version` is its name's current version and in the CPU tier; returns the version of
-        the name that was there before, if another."""
+        the name that was there before, if another. (`Eviction.published` does the same
+        inline, on every commit.)"""
         replaced = self.resident.get(version.key)
         self.resident[version.key] = version
         return replaced if replaced is not version else None
