@@ -239,6 +239,9 @@ class CpuArena:
         self._planned_bytes = 0  # segments being created
         self._planned: dict[int, SegmentPlan] = {}
         self.used_bytes = 0  # allocated ranges (rounded), all segments
+        # Namespaces whose tensors sit in segments of their own class (read-only ones): the class
+        # is the namespace's name. Set by the namespace records; asked by every allocation.
+        self._namespace_classes: set[str] = set()
 
     # --- sizes ------------------------------------------------------------------
 
@@ -258,6 +261,16 @@ class CpuArena:
         """Budget not yet given to a segment, rounded down to whole 2 MiB granules."""
         room = self.budget_bytes - self._segment_bytes_total - self._planned_bytes
         return max(0, room) // SEGMENT_GRANULE_BYTES * SEGMENT_GRANULE_BYTES
+
+    # --- segment classes ----------------------------------------------------------
+
+    def add_namespace_class(self, namespace: str) -> None:
+        """From now on the tensors of `namespace` are placed in segments of its own class."""
+        self._namespace_classes.add(namespace)
+
+    def class_for(self, namespace: str) -> str | None:
+        """The class of the segments `namespace`'s tensors are placed in (None: the default)."""
+        return namespace if namespace in self._namespace_classes else None
 
     # --- allocation ---------------------------------------------------------------
 

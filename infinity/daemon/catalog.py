@@ -1,17 +1,17 @@
-"""The catalog: named tensors in namespaces, their versions, leases, reservations and tiers.
+"""The catalog: named tensors in namespaces, their versions, leases and reservations.
 
 It knows nothing about sockets or processes: a client is an integer id. Where
 the bytes live is the business of the `Storage` below it (the tier manager,
-`infinity.daemon.tiers`): the catalog asks it for fresh slices, and tells it
-when a version becomes or stops being its name's current one, when it is
-leased exclusively or written in place, and when the last holder of a version
-let go, so that its CPU slice and NVMe copy can be freed. Rules it enforces:
+`infinity.daemon.tiers`, built before the catalog): the catalog asks it for
+fresh slices, and tells it when a version becomes or stops being its name's
+current one, when it was written in place, and when the catalog let go of a
+version (not current, no lease), so that its CPU slice and NVMe copy are freed
+once no I/O is on it. Rules it enforces:
 
 - `commit` publishes a reservation as the name's new version in one step;
   readers of the old version keep it (and its bytes) until they release.
 - A version under a lease is never freed or moved. A shared lease excludes an
-  exclusive one on the same version and the other way round. A version with
-  I/O in flight (`pins`) is not freed either, until the I/O lets go.
+  exclusive one on the same version and the other way round.
 - Counters (tensors, bytes, leases, per namespace) are kept as work happens,
   never recomputed by walking the catalog.
 """
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from infinity.daemon.arena import CpuSlice
+from infinity.daemon.diskcopy import DiskCopy
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
 from infinity.protocol import dtypes
 from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement, pack_result
@@ -35,8 +36,10 @@ HINT_MAX_NAMESPACES_LOOKED = 256
 Key = tuple[str, str]  # (namespace, name)
 
 
-if TYPE_CHECKING:
-    from infinity.daemon.tiers import DiskCopy
+def version_clock() -> Iterator[int]:
+    """The increasing numbers that stamp versions, and order a delete's index update after
+    every version stamped before it: built first, handed to the catalog and the tiers."""
+    return itertools.count(1)
 
 
 class Storage(Protocol):
@@ -65,16 +68,17 @@ class Storage(Protocol):
         """`version` is no longer current (replaced or deleted); it may still be held."""
         ...
 
-    def leased_exclusively(self, version: Version) -> None:
-        """An exclusive lease was granted: the holder may write in place from now on."""
-        ...
-
     def written(self, version: Version) -> None:
         """An exclusive lease ended: the bytes may have changed (dirty)."""
         ...
 
-    def retire(self, version: Version) -> None:
-        """Nobody holds `version` any more: free its CPU slice and NVMe copy."""
+    def released(self, version: Version) -> None:
+        """The catalog holds `version` no more (not current, no lease): free its CPU slice and
+        NVMe copy, once no I/O is on it."""
+        ...
+
+    def kept_versions(self) -> tuple[int, int]:
+        """(versions, bytes) published and not freed yet."""
         ...
 
 
@@ -84,8 +88,12 @@ class Version:
 
     Its bytes are in the CPU tier (`cpu`), on NVMe (`nvme`, a clean copy), or
     both; `cpu` and `nvme` are both None only for a tensor of zero bytes.
-    `dirty` means the CPU copy has no clean NVMe copy yet. The fields below
-    `dirty` belong to the tier manager.
+    `dirty` means the CPU copy has no clean NVMe copy yet. These placement slots
+    are set here when the version is installed and changed after that only by
+    the tier modules (`infinity.daemon.residency` keeps the index of resident
+    versions over them); they stay on the version so that a get reads its
+    placement without a lookup. What the tiers keep of a version besides
+    (loads, write-backs) is theirs, keyed by the version.
     """
 
     key: Key
@@ -107,12 +115,8 @@ class Version:
     wire: list[Any] = field(default_factory=list)
     packed: bytes = b""
     nvme: DiskCopy | None = None
-    pins: int = 0  # I/O in flight on it (loads, write-backs): not freed until they end
-    loading: Any = None  # the load bringing it into the CPU tier, if one is under way
-    writeback: Any = None  # the write-back taking it to NVMe, if one is under way
     edits: int = 0  # exclusive leases granted so far: a write-back that saw fewer is stale
-    evict_when_clean: bool = False  # chosen as a victim: evict once its write-back is done
-    freed: bool = False  # retired: its slice and copy went back to the tiers
+    released: bool = False  # not current and unheld: handed to the tiers to be freed
 
     @property
     def tier(self) -> str:
@@ -188,21 +192,23 @@ def check_key(namespace: str, name: str) -> None:
 class Catalog:
     """Names, versions, leases and reservations. Loop thread only (not thread-safe)."""
 
-    def __init__(self, storage: Storage, *, spare_budget_bytes: int = 0) -> None:
+    def __init__(self, storage: Storage, *, clock: Iterator[int] | None = None,
+                 spare_budget_bytes: int = 0,
+                 segment_class_of: Callable[[str], str | None] = lambda namespace: None) -> None:
+        """`clock`: the stamp counter shared with the tiers (`version_clock()`).
+        `segment_class_of`: the class of the segments a namespace's slices come from (the
+        arena's `class_for`)."""
         self._space = storage
         self.spare_budget_bytes = spare_budget_bytes
-        # The segment class a namespace's slices come from (`arena`; the namespace records set it).
-        self.segment_class_of: Callable[[str], str | None] = lambda namespace: None
+        self.segment_class_of = segment_class_of
         self._namespaces: dict[str, dict[str, Version]] = {}
         self._holdings: dict[int, _Holdings] = {}
         self._ids = itertools.count(1)
-        self._stamps = itertools.count(1)
+        self._stamps = clock if clock is not None else version_clock()
         # Counters, kept as work happens.
         self.namespace_counters: dict[str, NamespaceCounters] = {}
         self.num_tensors = 0
         self.tensor_bytes = 0  # current versions
-        self.num_versions = 0  # current and superseded-but-leased
-        self.version_bytes = 0
         self.num_exclusive = 0
         self.num_leases = 0
         self.num_held = 0  # tensors held under leases (a lease holds one or more)
@@ -314,7 +320,7 @@ class Catalog:
             if exclusive:
                 version.exclusive = client
                 self.num_exclusive += 1
-                self._space.leased_exclusively(version)  # counts the edit (version.edits)
+                version.edits += 1  # a write-back under way no longer describes what will be there
                 if version.wire:  # resident: its placement carries the new count from this get on
                     set_placement(version)
                     version.exclusive_handed = True  # in this get's reply
@@ -459,8 +465,6 @@ class Catalog:
         counters = self.namespace_counters.setdefault(namespace, NamespaceCounters())
         old = entries.get(name)
         entries[name] = version
-        self.num_versions += 1
-        self.version_bytes += version.nbytes
         counters.tensors += 1
         counters.bytes += version.nbytes
         self.num_tensors += 1
@@ -498,19 +502,20 @@ class Catalog:
         self.tensor_bytes -= version.nbytes
         self._maybe_free(version)
 
-    def unpinned(self, version: Version) -> None:
-        """I/O on `version` ended (the tier manager lowered `pins`): free it if nobody holds it."""
-        self._maybe_free(version)
-
     def _maybe_free(self, version: Version) -> None:
-        if version.current or version.shared or version.exclusive or version.pins:
+        if version.current or version.shared or version.exclusive or version.released:
             return
-        if version.freed:
-            return
-        self.num_versions -= 1
-        self.version_bytes -= version.nbytes
-        version.freed = True
-        self._space.retire(version)
+        version.released = True
+        self._space.released(version)
+
+    @property
+    def num_versions(self) -> int:
+        """Versions not freed yet: current, superseded but leased, or with I/O on them."""
+        return self._space.kept_versions()[0]
+
+    @property
+    def version_bytes(self) -> int:
+        return self._space.kept_versions()[1]
 
     # --- clients going away ------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
+from infinity.daemon.arena import CpuArena
 from infinity.daemon.catalog import NamespaceCounters, Version
 from infinity.daemon.sessions import Session
 from infinity.errors import (AlreadyExistsError, InvalidRequestError,
@@ -67,8 +68,10 @@ class NamespaceRecord:
 class Namespaces:
     """The namespace records and the write checks the request handlers call."""
 
-    def __init__(self, usage: NamespaceUsage, *, session_alive: Callable[[int], bool]) -> None:
+    def __init__(self, usage: NamespaceUsage, arena: CpuArena, *,
+                 session_alive: Callable[[int], bool]) -> None:
         self._usage = usage
+        self._arena = arena
         self._session_alive = session_alive
         self._records: dict[str, NamespaceRecord] = {}
         self._read_only: dict[str, NamespaceRecord] = {}  # the read-only ones, checked on gets
@@ -94,6 +97,7 @@ class Namespaces:
         self._records[namespace] = record
         if mode == READ_ONLY:
             self._read_only[namespace] = record
+            self._arena.add_namespace_class(namespace)  # its tensors get segments of their own
         if quota_bytes:
             self._quotas[namespace] = record
         return self.info(namespace)
@@ -174,8 +178,8 @@ class Namespaces:
 
     def segment_class(self, namespace: str) -> str | None:
         """The class of the segments a namespace's tensors are placed in: its own for a
-        read-only namespace, the default (None) for every other."""
-        return namespace if namespace in self._read_only else None
+        read-only namespace, the default (None) for every other (the arena keeps the classes)."""
+        return self._arena.class_for(namespace)
 
     def may_map_writable(self, session: Session, segment_class: str) -> bool:
         """Whether a session gets a read-write fd for a segment of `segment_class`: only the

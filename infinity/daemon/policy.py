@@ -1,8 +1,9 @@
 """Eviction policies: which resident tensors leave the CPU tier when it needs room.
 
-The tier manager (`infinity.daemon.tiers`) owns residency and does the work:
-it writes dirty tensors back to NVMe, frees their CPU slices, and never offers
-a tensor that may not go. The policy only keeps an order and answers one
+Residency is owned by `infinity.daemon.residency`, and the work is done by
+`infinity.daemon.eviction`: it writes dirty tensors back to NVMe, frees their
+CPU slices, and never offers a tensor that may not go
+(`Residency.candidates`). The policy only keeps an order and answers one
 question, "which of these, first?". It never allocates, reads, writes or
 blocks, and it is called on the daemon's loop thread only.
 

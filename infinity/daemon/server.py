@@ -19,7 +19,7 @@ import os
 from infinity import __version__
 from infinity.config import InfinityConfig
 from infinity.daemon.arena import CpuArena
-from infinity.daemon.catalog import Catalog
+from infinity.daemon.catalog import Catalog, version_clock
 from infinity.daemon.dispatch import Dispatcher
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
@@ -34,6 +34,8 @@ from infinity.daemon.services.steps import StepService
 from infinity.daemon.services.streams import StreamService
 from infinity.daemon.services.traces import TraceKeeper
 from infinity.daemon.sessions import Sessions
+from infinity.daemon.residency import Residency
+from infinity.daemon.restore import restore_catalog
 from infinity.daemon.streams import StreamTable
 from infinity.daemon.tiers import TierManager
 from infinity.protocol.paths import RuntimeLayout
@@ -50,26 +52,33 @@ class Daemon:
         self.loop = EventLoop()
         self.arena = CpuArena(config.cpu, poison=config.daemon.poison_released,
                               on_retire=self._on_segment_retired)
+        # Built in one pass, each from what is built before it: residency (the one owner of
+        # what is in the CPU tier, which the scheduler and the tiers ask), the scheduler, the
+        # tiers, then the catalog on top of them; both stamp from one clock.
+        self.residency = Residency()
         # The scheduler decides what the CPU tier keeps and loads ahead; with no NVMe tier
         # everything is resident and there is nothing to decide.
         self.scheduler: Scheduler | None = None
         if config.nvme.dirs:
             self.scheduler = Scheduler(config.scheduler, cpu_tier_bytes=config.cpu.budget_bytes,
-                                       is_pinned=lambda key: key not in self.tiers.candidates)
-        self.tiers = TierManager(config, self.loop, self.arena, scheduler=self.scheduler)
-        self.catalog = Catalog(self.tiers, spare_budget_bytes=config.cpu.spare_budget_bytes)
-        self.tiers.attach(self.catalog)
-        restored = self.tiers.restore()
+                                       is_pinned=self.residency.is_pinned)
+        clock = version_clock()
+        self.tiers = TierManager(config, self.loop, self.arena, self.residency, clock=clock,
+                                 scheduler=self.scheduler)
+        self.catalog = Catalog(self.tiers, clock=clock,
+                               spare_budget_bytes=config.cpu.spare_budget_bytes,
+                               segment_class_of=self.arena.class_for)
+        restored = restore_catalog(self.catalog, self.tiers.durability)
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
 
         # --- the services, each after what it uses ---
         self.counters = DaemonCounters()
         self.sessions = Sessions()
-        self.namespaces = Namespaces(self.catalog, session_alive=self.sessions.by_id.__contains__)
-        # The catalog places a read-only namespace's tensors in segments of its own class. The
-        # catalog and the records each ask the other, so this one link is made here.
-        self.catalog.segment_class_of = self.namespaces.segment_class
+        # The records register a read-only namespace's segment class with the arena, which the
+        # catalog and the loads ask.
+        self.namespaces = Namespaces(self.catalog, self.arena,
+                                     session_alive=self.sessions.by_id.__contains__)
         self.traces = TraceKeeper(self.scheduler, self.tiers)
         self.traces.restore()
         self.planner = PrefetchPlanner(config.scheduler, self.loop, self.scheduler, self.catalog,
