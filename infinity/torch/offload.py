@@ -1,0 +1,380 @@
+"""Module offload: a module's parameters live in the store and are present only around their use.
+
+`offload(model, client, namespace=...)` puts every parameter into the store and leaves the module
+as it is otherwise (the way FSDP2's `fully_shard` does): each submodule that owns parameters (a
+*unit*) gets a forward pre-hook that leases its parameters and points them at the leased views in
+shared memory (no copy on the CPU), and a forward post-hook that gives them back. Between uses a
+parameter keeps its shape and dtype over a storage of no bytes, so the process's memory grows with
+the largest unit and the activations, not with the model.
+
+Backward needs some parameters again (a linear layer's weight, to compute its input's gradient).
+Autograd saves the tensors it needs during forward; a saved-tensor hook recognises a saved
+tensor that lies in a leased parameter's memory and saves a small handle instead, and unpacking
+the handle in backward leases the unit again and rebuilds the same view. So nothing refers to a
+view after its lease ends, and backward reads parameters exactly when it uses them: the daemon
+sees these gets in step order and prefetches them as it does forward's.
+
+Gradients leave as they are produced: a hook per parameter runs once its gradient is final (after
+autograd summed every use of it, tied weights included), writes it into the store (a put after
+`zero_grad()`, else summed in place into the stored gradient under an exclusive lease, so
+gradient-accumulation micro-batches add up in shared memory) and drops it from the process. The
+unit's lease ends once all of its gradients have left, or at the end of backward.
+
+On a machine without a GPU the CPU computes on the views directly. The CUDA path (copies on a
+side stream into a device budget, `infinity.client.device.DeviceCache`) is not built yet: a module
+with a parameter on a GPU is refused with a sentence saying so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from infinity.errors import InvalidRequestError
+
+__all__ = ["OffloadConfig", "OffloadState", "offload", "offload_state"]
+
+_STATES: "weakref.WeakKeyDictionary[nn.Module, OffloadState]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How a module's state is kept in the store."""
+
+    namespace: str
+    param_dtype: torch.dtype | None = None   # None: each parameter's own dtype
+    grad_dtype: torch.dtype = torch.float32  # gradients are summed in the store in this dtype
+    prefix: str = ""                         # put before every stored name
+    mark_steps: bool = True                  # each root forward begins a step for the scheduler
+
+    def __post_init__(self) -> None:
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        if self.param_dtype is not None and self.param_dtype not in allowed:
+            raise InvalidRequestError(
+                f"param_dtype {self.param_dtype} is not one the store offloads; use "
+                f"torch.float32, torch.bfloat16 or torch.float16 (or None: as the model has it)")
+        if self.grad_dtype not in allowed:
+            raise InvalidRequestError(
+                f"grad_dtype {self.grad_dtype} is not supported; use torch.float32, "
+                f"torch.bfloat16 or torch.float16")
+        if not self.namespace:
+            raise InvalidRequestError("namespace is empty; name the namespace the model's state "
+                                      "lives in, e.g. offload(model, client, namespace='gpt2')")
+
+
+@dataclass(eq=False)
+class _Param:
+    """One parameter (tied ones once): its stored names and where its data points now."""
+
+    param: nn.Parameter
+    name: str
+    grad_name: str
+    placeholder: torch.Tensor
+    holders: list[tuple["_Unit", torch.Tensor]] = field(default_factory=list)
+    units: list["_Unit"] = field(default_factory=list)  # the modules that use it (tied: several)
+    index: int = 0
+
+
+class _SavedParam:
+    """What autograd keeps instead of a tensor lying in a leased parameter's memory."""
+
+    __slots__ = ("entry", "offset", "size", "stride")
+
+    def __init__(self, entry: _Param, offset: int, size: torch.Size,
+                 stride: tuple[int, ...]) -> None:
+        self.entry, self.offset, self.size, self.stride = entry, offset, size, stride
+
+
+class _Unit:
+    """A module that owns parameters: its lease while in use, and the gradients still to come."""
+
+    def __init__(self, state: "OffloadState", module: nn.Module, name: str,
+                 entries: list[_Param]) -> None:
+        self.state = state
+        self.module = module
+        self.name = name
+        self.entries = entries
+        self.names = [entry.name for entry in entries]
+        self.lease: Any = None
+        self.depth = 0              # forward calls in progress (a module may be called twice)
+        self.in_backward = False
+        self.grads_left = 0
+
+    def acquire(self) -> None:
+        if self.lease is not None:
+            return
+        lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
+        self.lease = lease
+        for entry, view in zip(self.entries, lease.tensors):
+            self.state._hold(entry, self, view)
+
+    def release(self) -> None:
+        if self.lease is None:
+            return
+        for entry in self.entries:
+            self.state._unhold(entry, self)
+        lease, self.lease = self.lease, None
+        self.in_backward = False
+        lease.release()
+
+
+class OffloadState:
+    """The one small state object of an offloaded module tree (see `offload`)."""
+
+    def __init__(self, root: nn.Module, client: Any, config: OffloadConfig) -> None:
+        self.root = root
+        self.client = client
+        self.config = config
+        self.units: list[_Unit] = []
+        self.params: list[_Param] = []
+        self._by_param: dict[int, _Param] = {}
+        self._handles: list[RemovableHandle] = []
+        # Leased memory of present parameters, by the base address of the storage their views
+        # share (a segment): sorted starts, and the entries, for the saved-tensor hook.
+        self._spans: dict[int, tuple[list[int], list[_Param]]] = {}
+        self._fresh_grads: set[str] = set()
+        self._saved_hooks: Any = None
+        self._end_of_backward_queued = False
+
+    # --- presence -------------------------------------------------------------------------
+
+    def _hold(self, entry: _Param, unit: _Unit, view: torch.Tensor) -> None:
+        entry.holders.append((unit, view))
+        if len(entry.holders) == 1:
+            self._point(entry, view)
+
+    def _unhold(self, entry: _Param, unit: _Unit) -> None:
+        entry.holders = [(u, v) for u, v in entry.holders if u is not unit]
+        self._forget_span(entry)
+        if entry.holders:
+            self._point(entry, entry.holders[0][1])  # another unit's lease keeps it present
+        else:
+            entry.param.data = entry.placeholder
+
+    def _point(self, entry: _Param, view: torch.Tensor) -> None:
+        self._forget_span(entry)
+        entry.param.data = view
+        base = view.untyped_storage().data_ptr()
+        starts, entries = self._spans.setdefault(base, ([], []))
+        at = bisect.bisect_left(starts, view.data_ptr())
+        starts.insert(at, view.data_ptr())
+        entries.insert(at, entry)
+
+    def _forget_span(self, entry: _Param) -> None:
+        for base, (starts, entries) in list(self._spans.items()):
+            if entry in entries:
+                at = entries.index(entry)
+                del starts[at], entries[at]
+                if not starts:
+                    del self._spans[base]
+                return
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.config.mark_steps and torch.is_grad_enabled():
+            self.client.step_begin(namespace=self.config.namespace)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        hooks, self._saved_hooks = self._saved_hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def _pre_forward(self, unit: _Unit) -> None:
+        unit.depth += 1
+        unit.acquire()
+
+    def _post_forward(self, unit: _Unit) -> None:
+        unit.depth -= 1
+        if unit.depth == 0 and not unit.in_backward:
+            unit.release()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if not self._spans or tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            return tensor
+        found = self._spans.get(tensor.untyped_storage().data_ptr())
+        if found is None:
+            return tensor
+        starts, entries = found
+        at = bisect.bisect_right(starts, tensor.data_ptr()) - 1
+        if at < 0:
+            return tensor
+        entry = entries[at]
+        view = entry.param.data
+        offset_bytes = tensor.data_ptr() - view.data_ptr()
+        if offset_bytes >= view.numel() * view.element_size() or tensor.dtype != view.dtype:
+            return tensor
+        return _SavedParam(entry, offset_bytes // view.element_size(), tensor.size(),
+                           tensor.stride())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedParam):
+            return saved
+        entry = saved.entry
+        if not entry.holders:
+            unit = self._unit_for_backward(entry)
+            unit.acquire()
+        view = entry.param.data
+        return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
+
+    def _unit_for_backward(self, entry: _Param) -> _Unit:
+        unit = entry.units[0]
+        unit.in_backward = True
+        unit.grads_left = sum(1 for e in unit.entries if e.param.requires_grad)
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return unit
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        for unit in self.units:
+            if unit.in_backward and unit.depth == 0:
+                unit.release()
+
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        entry = self._by_param[id(param)]
+        namespace = self.config.namespace
+        grad = grad.detach().to(self.config.grad_dtype)
+        if entry.grad_name in self._fresh_grads:
+            self.client.put(entry.grad_name, grad, namespace=namespace)
+            self._fresh_grads.discard(entry.grad_name)
+        else:
+            with self.client.get(entry.grad_name, namespace=namespace, exclusive=True) as stored:
+                stored.add_(grad)
+        param.grad = None  # the gradient lives in the store now, not in this process
+        for unit in entry.units:
+            if unit.in_backward:
+                unit.grads_left -= 1
+                if unit.grads_left <= 0 and unit.depth == 0:
+                    unit.release()
+
+    # --- what the optimizer and the user call ------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """The next gradients replace the stored ones instead of adding to them."""
+        self._fresh_grads = {entry.grad_name for entry in self.params}
+
+    def gradient(self, param: nn.Parameter) -> torch.Tensor:
+        """A copy of a parameter's accumulated gradient, read from the store."""
+        entry = self._entry(param)
+        with self.client.get(entry.grad_name, namespace=self.config.namespace) as stored:
+            return stored.clone()
+
+    def parameter(self, param: nn.Parameter) -> torch.Tensor:
+        """A copy of a parameter's value as stored."""
+        entry = self._entry(param)
+        with self.client.get(entry.name, namespace=self.config.namespace) as stored:
+            return stored.clone()
+
+    def stored_names(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for entry in self.params:
+            yield entry.name, entry.param
+
+    def _entry(self, param: nn.Parameter) -> _Param:
+        entry = self._by_param.get(id(param))
+        if entry is None:
+            raise InvalidRequestError(
+                "this parameter is not one of the offloaded module's; pass a parameter of the "
+                "module given to offload()")
+        return entry
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.depth = 0
+            unit.release()
+
+    def remove(self) -> None:
+        """Take the hooks off (the parameters stay placeholders; the state stays in the store)."""
+        self.release_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of the parameter's shape and dtype whose storage holds no bytes (as FSDP2 frees
+    an unsharded parameter): autograd checks each gradient against the parameter's current
+    shape, and any use of the parameter outside its unit's forward fails loudly instead of
+    reading stale or zero values."""
+    tensor = torch.empty(shape, dtype=dtype)
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+
+def offload_state(module: nn.Module) -> OffloadState:
+    """The state `offload` attached to a module."""
+    state = _STATES.get(module)
+    if state is None:
+        raise InvalidRequestError("this module was not offloaded; call infinity.torch.offload "
+                                  "on it first")
+    return state
+
+
+def offload(model: nn.Module, client: Any, *, namespace: str,
+            param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype = torch.float32,
+            prefix: str = "", mark_steps: bool = True) -> nn.Module:
+    """Move `model`'s parameters into the store under `namespace` and hook it (in place).
+
+    Returns the same module. Parameters are stored as `param_dtype` (default: their own) and
+    the module computes in that dtype; gradients are summed in the store as `grad_dtype`.
+    """
+    config = OffloadConfig(namespace=namespace, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                           prefix=prefix, mark_steps=mark_steps)
+    if model in _STATES:
+        raise InvalidRequestError("this module is offloaded already; offload it once")
+    for name, param in model.named_parameters():
+        if param.device.type != "cpu":
+            raise InvalidRequestError(
+                f"parameter {name} is on {param.device}: offload takes a module on the CPU "
+                f"(the GPU path is not built yet); build or load the model on the CPU")
+    state = OffloadState(model, client, config)
+    upload: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():  # tied parameters come once, first name
+        dtype = param_dtype or param.dtype
+        entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
+                       placeholder=_placeholder(param.shape, dtype), index=len(state.params))
+        state.params.append(entry)
+        state._by_param[id(param)] = entry
+        upload[entry.name] = param.detach().to(dtype)
+        if len(upload) >= 64:
+            client.put_many(upload, namespace=namespace)
+            upload.clear()
+    if upload:
+        client.put_many(upload, namespace=namespace)
+    for entry in state.params:
+        if entry.param.requires_grad:
+            # Registered while the parameter still has its shape: the hook creates the
+            # parameter's gradient accumulator, which checks every gradient against the shape
+            # the parameter had then (an empty placeholder would refuse them all).
+            state._handles.append(entry.param.register_post_accumulate_grad_hook(
+                state._gradient_ready))
+        entry.param.data = entry.placeholder
+    for module_name, module in model.named_modules():
+        entries = [state._by_param[id(p)] for p in module.parameters(recurse=False)]
+        if not entries:
+            continue
+        unit = _Unit(state, module, module_name, entries)
+        state.units.append(unit)
+        for entry in entries:
+            entry.units.append(unit)
+        state._handles.append(module.register_forward_pre_hook(
+            lambda m, a, unit=unit: state._pre_forward(unit)))
+        state._handles.append(module.register_forward_hook(
+            lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True))
+    state._handles.append(model.register_forward_pre_hook(state._root_pre_forward, prepend=True))
+    state._handles.append(model.register_forward_hook(state._root_post_forward, always_call=True))
+    state.zero_grad()
+    _STATES[model] = state
+    return model
