@@ -36,6 +36,7 @@ import sys
 
 from infinity.client.leases import Lease, LeaseCalls, PendingResident, ResidentRequester
 from infinity.client.namespaces import NamespaceCalls
+from infinity.client.optimizer import OptimizerCalls
 from infinity.client.queries import QueryCalls
 from infinity.client.session import Names
 from infinity.client.steps import StepCalls, StepResult
@@ -47,11 +48,12 @@ from infinity.errors import DaemonUnavailableError
 from infinity.protocol.paths import RuntimeLayout
 
 
-class Client(LeaseCalls, WriteCalls, StreamCalls, StepCalls, QueryCalls, NamespaceCalls):
+class Client(LeaseCalls, WriteCalls, StreamCalls, StepCalls, QueryCalls, NamespaceCalls,
+             OptimizerCalls):
     """A session with infinityd. Create it with `infinity.connect()`.
 
-    Its calls live by job in `leases`, `writes`, `streams`, `steps`, `queries` and
-    `namespaces`, over the
+    Its calls live by job in `leases`, `writes`, `streams`, `steps`, `queries`,
+    `namespaces` and `optimizer`, over the
     session (`session`: connection, channels, heartbeat, closing); this class only joins them,
     so a call costs no more Python calls than if all were written here."""
 

@@ -204,6 +204,7 @@ class Catalog:
         self._namespaces: dict[str, dict[str, Version]] = {}
         self._holdings: dict[int, _Holdings] = {}
         self._ids = itertools.count(1)
+        self._internal_lease_ids = itertools.count(1)  # leases held as DAEMON_CLIENT_ID
         self._stamps = clock if clock is not None else version_clock()
         # Counters, kept as work happens.
         self.namespace_counters: dict[str, NamespaceCounters] = {}
@@ -252,6 +253,11 @@ class Catalog:
         """Every name's current version (a walk: for rare, store-wide requests such as flush)."""
         for entries in list(self._namespaces.values()):
             yield from list(entries.values())
+
+    def internal_lease_id(self) -> int:
+        """A fresh lease id for work the daemon does for itself (held as `DAEMON_CLIENT_ID`):
+        one counter for every part of the daemon, so their leases never share an id."""
+        return next(self._internal_lease_ids)
 
     def next_stamp(self) -> int:
         """A number above every version stamp handed out so far (orders index updates)."""

@@ -29,6 +29,7 @@ from infinity.daemon.services.base import DaemonCounters
 from infinity.daemon.services.data import DataService
 from infinity.daemon.services.handshake import SessionService
 from infinity.daemon.services.namespaces import NamespaceService
+from infinity.daemon.services.optimizer import OptimizerService
 from infinity.daemon.services.prefetch import PrefetchPlanner
 from infinity.daemon.services.steps import StepService
 from infinity.daemon.services.streams import StreamService
@@ -89,6 +90,8 @@ class Daemon:
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.stream_service = StreamService(self.streams, self.counters, self.namespaces)
         self.namespace_service = NamespaceService(self.namespaces, self.catalog)
+        self.optimizer = OptimizerService(self.loop, self.catalog, self.tiers, self.counters,
+                                          self.namespaces, cpu_tier_bytes=config.cpu.budget_bytes)
         # A session's end: its scheduler streams first, then its streams, then its leases.
         self.session_service = SessionService(
             config, layout, self.loop, self.arena, sessions=self.sessions,
@@ -104,7 +107,7 @@ class Daemon:
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,
                                      release=self.data.release_ids)
         for service in (self.session_service, self.data, self.stream_service, self.steps,
-                        self.namespace_service, self.admin):
+                        self.namespace_service, self.optimizer, self.admin):
             self.dispatcher.register(service.routes())
         self.dispatcher.register_socket_ops(openers=self.session_service.openers(),
                                             socket_routes=self.session_service.socket_routes())
@@ -137,6 +140,7 @@ class Daemon:
         for session in list(self.sessions):
             self.steps.client_gone(session)  # traces refined since they were last saved
         self.traces.closing = self.planner.closing = self.data.closing = True
+        self.optimizer.close()  # the steps under way finish their arithmetic first
         # First let the I/O and index work in flight finish: flushes that complete are still
         # answered, and nothing is freed under the engine.
         self.tiers.close()

@@ -30,7 +30,6 @@ nothing of sockets: results go to callbacks, on the loop thread.
 from __future__ import annotations
 
 import array
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -95,7 +94,6 @@ class StreamTable:
         self.catalog = catalog
         self.tiers = tiers
         self._streams: dict[tuple[int, int], Stream] = {}
-        self._lease_ids = itertools.count(1)  # the daemon's leases of read streams' versions
         self.opened = 0
 
     def __len__(self) -> int:
@@ -125,7 +123,7 @@ class StreamTable:
             self._fill_slots(stream, done)
 
     def _open_read(self, client: int, stream_id: int, key: Key) -> Stream:
-        lease_id = next(self._lease_ids)
+        lease_id = self.catalog.internal_lease_id()
         lease, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, lease_id,
                                                [(key[0], key[1], False)])
         outcome = outcomes[0]

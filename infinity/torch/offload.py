@@ -266,6 +266,14 @@ class OffloadState:
         """The next gradients replace the stored ones instead of adding to them."""
         self._fresh_grads = {entry.grad_name for entry in self.params}
 
+    def has_gradient(self, param: nn.Parameter) -> bool:
+        """Whether a gradient of `param` reached the store since the last `zero_grad`."""
+        return self._entry(param).grad_name not in self._fresh_grads
+
+    def entry_of(self, param: nn.Parameter) -> _Param:
+        """The stored names of `param` (InvalidRequestError if it is not this module's)."""
+        return self._entry(param)
+
     def gradient(self, param: nn.Parameter) -> torch.Tensor:
         """A copy of a parameter's accumulated gradient, read from the store."""
         entry = self._entry(param)
@@ -311,6 +319,14 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
     tensor.untyped_storage().resize_(0)
     return tensor
+
+
+def state_of_parameter(param: nn.Parameter) -> OffloadState | None:
+    """The offload state whose module holds `param`, or None (for the optimizer)."""
+    for state in list(_STATES.values()):
+        if id(param) in state._by_param:
+            return state
+    return None
 
 
 def offload_state(module: nn.Module) -> OffloadState:

@@ -1,0 +1,259 @@
+"""The optimizer: Adam / AdamW steps run in the daemon, next to the data (the `adam_step` request).
+
+A trainer's `infinity.torch.AdamW.step()` sends one request naming, per parameter, the stored
+tensors of its state: the parameter, its gradient (summed there by `offload`'s hooks), its fp32
+master copy when the parameter is kept in a lower precision, and both moments. For each item the
+service:
+
+1. leases the tensors under the daemon's own identity (`DAEMON_CLIENT_ID`): the gradient shared,
+   the rest exclusively, so no client reads a half-updated parameter and the tier writes the
+   result back to NVMe as a new copy (written in place marks it dirty);
+2. has the tiers load what is only on NVMe (`ensure_resident`), and
+3. runs the native kernel (`_native.adam_step`: one pass over memory, SIMD, no GIL) over the
+   item's elements, cut into chunks run by the service's threads, then releases the lease.
+
+Items are pipelined within a window of bytes (a quarter of the CPU tier), so the loads of the
+next items overlap the arithmetic of this one and a model larger than the tier still steps. The
+reply goes once every item is done: one result per item, None or the error it met (a tensor
+missing, of the wrong dtype or size, leased by someone else). The loop thread never computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from infinity.daemon.catalog import Catalog, Version
+from infinity.daemon.loop import EventLoop
+from infinity.daemon.namespaces import Namespaces
+from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
+from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
+from infinity.daemon.tiers import TierManager
+from infinity.errors import InfinityError, InvalidRequestError
+from infinity.io.native import native
+from infinity.protocol import wire
+
+log = logging.getLogger("infinityd")
+
+ADAM_DTYPES = ("float32", "bfloat16", "float16")
+CHUNK_ELEMENTS = 1 << 20  # a thread's share of one item: large enough to stream, small to balance
+
+
+@dataclass(eq=False)
+class _Item:
+    """One parameter's step in flight."""
+
+    index: int
+    item: wire.AdamItem
+    group: wire.AdamGroup
+    lease_id: int = 0
+    versions: list[Version] = field(default_factory=list)  # param, grad, exp_avg, exp_avg_sq[, master]
+    waiting: int = 0  # loads still to finish
+    chunks_left: int = 0
+    error: InfinityError | None = None
+    nbytes: int = 0
+
+
+@dataclass(eq=False)
+class _Job:
+    """One adam_step request: its items, those not started yet, and the bytes in flight."""
+
+    session: Session
+    namespace: str
+    items: list[_Item]
+    deferred: Deferred
+    next: int = 0
+    in_flight_bytes: int = 0
+    running: int = 0
+
+
+class OptimizerService:
+    """Runs `adam_step` requests; its threads run the kernels, its loop callbacks everything else."""
+
+    def __init__(self, loop: EventLoop, catalog: Catalog, tiers: TierManager,
+                 counters: DaemonCounters, namespaces: Namespaces, *, cpu_tier_bytes: int,
+                 num_threads: int | None = None) -> None:
+        self.loop = loop
+        self.catalog = catalog
+        self.tiers = tiers
+        self.counters = counters
+        self.namespaces = namespaces
+        self.window_bytes = max(1, cpu_tier_bytes // 4)
+        self.num_threads = num_threads or max(1, min(os.cpu_count() or 1, 16))
+        self._threads = ThreadPoolExecutor(max_workers=self.num_threads,
+                                           thread_name_prefix="infinityd-adam")
+        self.closing = False
+        self.steps = 0          # items stepped
+        self.elements = 0       # parameters stepped
+
+    def routes(self) -> Routes:
+        return {wire.AdamStep: self.adam_step}
+
+    def close(self) -> None:
+        self.closing = True
+        self._threads.shutdown(wait=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {"items_stepped": self.steps, "parameters_stepped": self.elements,
+                "num_threads": self.num_threads}
+
+    # --- a request -----------------------------------------------------------------------
+
+    def adam_step(self, session: Session, request_id: int, message: wire.AdamStep) -> Deferred:
+        self.namespaces.require_writable(session, message.namespace)  # a step writes its state
+        results: list[Any] = [None] * len(message.items)
+        self.counters.deferred_replies += 1
+        deferred = Deferred(results, len(message.items) + 1)  # + 1: settled once all started
+        job = _Job(session, message.namespace,
+                   [_Item(i, item, message.groups[item.group])
+                    for i, item in enumerate(message.items)], deferred)
+        self._start_more(job)
+        deferred.settle()
+        return deferred
+
+    def _start_more(self, job: _Job) -> None:
+        """Start items in order while the window has room (always at least one)."""
+        while job.next < len(job.items) and (job.running == 0
+                                             or job.in_flight_bytes < self.window_bytes):
+            item = job.items[job.next]
+            job.next += 1
+            job.running += 1
+            self._begin(job, item)
+
+    def _begin(self, job: _Job, item: _Item) -> None:
+        ns, names = job.namespace, item.item
+        wanted = [(ns, names.param, True), (ns, names.grad, False), (ns, names.exp_avg, True),
+                  (ns, names.exp_avg_sq, True)]
+        if names.master:
+            wanted.append((ns, names.master, True))
+        item.lease_id = self.catalog.internal_lease_id()
+        _, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, item.lease_id, wanted)
+        item.versions = [o for o in outcomes if isinstance(o, Version)]
+        failed = next((o for o in outcomes if not isinstance(o, Version)), None)
+        if failed is not None:
+            self._finish(job, item, failed)  # type: ignore[arg-type]
+            return
+        try:
+            self._check(item)
+        except InfinityError as exc:
+            self._finish(job, item, exc)
+            return
+        item.nbytes = sum(v.nbytes for v in item.versions)
+        job.in_flight_bytes += item.nbytes
+        def loaded(error: InfinityError | None) -> None:
+            self._loaded(job, item, error)
+
+        for version in item.versions:
+            try:
+                if not self.tiers.ensure_resident(version, loaded):
+                    item.waiting += 1
+            except InfinityError as exc:
+                item.error = item.error or exc
+        if item.waiting == 0:
+            self._compute(job, item)
+
+    def _check(self, item: _Item) -> None:
+        param, grad, avg, avg_sq, *rest = item.versions
+        master = rest[0] if rest else None
+        numel = _numel(param)
+        described = f"parameter {item.item.param!r}"
+        for version, role in ((grad, "gradient"), (avg, "exp_avg"), (avg_sq, "exp_avg_sq"),
+                              (master, "master copy")):
+            if version is not None and _numel(version) != numel:
+                raise InvalidRequestError(
+                    f"the {role} of {described} has {_numel(version)} elements, the parameter "
+                    f"{numel}; each must match the parameter's shape")
+        if param.dtype not in ADAM_DTYPES or grad.dtype not in ADAM_DTYPES:
+            raise InvalidRequestError(
+                f"{described} is {param.dtype} with a {grad.dtype} gradient; the optimizer steps "
+                f"float32, bfloat16 and float16 tensors")
+        for version, role in ((avg, "exp_avg"), (avg_sq, "exp_avg_sq"), (master, "master copy")):
+            if version is not None and version.dtype != "float32":
+                raise InvalidRequestError(f"the {role} of {described} is {version.dtype}; it "
+                                          f"must be float32")
+        if master is None and param.dtype != "float32":
+            raise InvalidRequestError(
+                f"{described} is {param.dtype} and has no float32 master copy; name one (the "
+                f"optimizer keeps it), or keep the parameter in float32")
+
+    def _loaded(self, job: _Job, item: _Item, error: InfinityError | None) -> None:
+        item.waiting -= 1
+        if error is not None:
+            item.error = item.error or error
+        if item.waiting == 0:
+            self._compute(job, item)
+
+    def _compute(self, job: _Job, item: _Item) -> None:
+        if item.error is not None or self.closing:
+            self._finish(job, item, item.error or InvalidRequestError(
+                "infinityd is stopping; the step was not applied to this parameter"))
+            return
+        for version in item.versions[:1] + item.versions[2:]:
+            self.catalog.handed_out(DAEMON_CLIENT_ID, version)  # written in place from now on
+        param, grad, avg, avg_sq, *rest = item.versions
+        master = rest[0] if rest else None
+        numel = _numel(param)
+        if numel == 0:
+            self._finish(job, item, None)
+            return
+        address = self.tiers.address_of
+        group, step = item.group, item.item.step
+        target = master if master is not None else param
+        low, low_dtype = (address(param.cpu), param.dtype) if master is not None else (0, "none")  # type: ignore[arg-type]
+        grad_size = 4 if grad.dtype == "float32" else 2
+        low_size = 4 if low_dtype == "float32" else 2
+        bases = (address(target.cpu), address(grad.cpu), address(avg.cpu),  # type: ignore[arg-type]
+                 address(avg_sq.cpu), low)  # type: ignore[arg-type]
+        kernel = native().adam_step
+        chunks = [(begin, min(begin + CHUNK_ELEMENTS, numel))
+                  for begin in range(0, numel, CHUNK_ELEMENTS)]
+        item.chunks_left = len(chunks)
+
+        def run(begin: int, end: int) -> None:
+            kernel(bases[0] + 4 * begin, bases[1] + grad_size * begin, grad.dtype,
+                   bases[2] + 4 * begin, bases[3] + 4 * begin,
+                   bases[4] + low_size * begin if bases[4] else 0, low_dtype, end - begin,
+                   lr=group.lr, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
+                   weight_decay=group.weight_decay, step=step, decoupled=group.decoupled,
+                   grad_scale=group.grad_scale)
+
+        def done(future: Future[None]) -> None:  # on a kernel thread: hand over to the loop
+            error = future.exception()
+            self.loop.call_soon_threadsafe(lambda: self._chunk_done(job, item, error))
+
+        for begin, end in chunks:
+            self._threads.submit(run, begin, end).add_done_callback(done)
+
+    def _chunk_done(self, job: _Job, item: _Item, exc: BaseException | None) -> None:
+        if exc is not None and item.error is None:
+            log.error("the Adam kernel failed on %r: %s", item.item.param, exc)
+            item.error = InvalidRequestError(f"the optimizer step failed on parameter "
+                                             f"{item.item.param!r}: {exc}")
+        item.chunks_left -= 1
+        if item.chunks_left == 0:
+            self.steps += 1
+            self.elements += _numel(item.versions[0])
+            self._finish(job, item, item.error)
+
+    def _finish(self, job: _Job, item: _Item, error: InfinityError | None) -> None:
+        try:
+            self.catalog.release(DAEMON_CLIENT_ID, item.lease_id)
+        except InfinityError:
+            pass  # nothing was leased (every item failed to lease)
+        if error is not None:
+            job.deferred.results[item.index] = self.counters.item_error(job.session, error)
+        job.in_flight_bytes -= item.nbytes
+        job.running -= 1
+        job.deferred.settle()
+        self._start_more(job)
+
+
+def _numel(version: Version) -> int:
+    count = 1
+    for size in version.shape:
+        count *= size
+    return count
+

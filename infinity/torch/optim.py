@@ -1,0 +1,238 @@
+"""`infinity.torch.Adam` and `AdamW`: torch optimizers whose state lives in the store and whose
+step runs in infinityd, next to the data.
+
+They take the parameters of a module given to `infinity.torch.offload` (its gradients are in the
+store already). At construction each parameter gets its optimizer state in the store, in the
+module's namespace: `<name>.exp_avg` and `<name>.exp_avg_sq` (fp32 zeros), and `<name>.master`
+(an fp32 copy) when the parameter is kept in a lower precision. State already there (a trainer
+restarted on the same namespace) is kept. `step()` sends one `adam_step` request per namespace:
+the daemon updates each parameter, its master copy and both moments in place with the native
+kernel (torch's single-tensor Adam arithmetic) and writes the low-precision parameter in the same
+pass. `param_groups` are read at every step (lr, betas, eps, weight_decay), so
+`torch.optim.lr_scheduler` schedulers work; `zero_grad()` makes the next backward replace the
+stored gradients; `state_dict()` / `load_state_dict()` carry the moments (read from and written to
+the store) and the step counts.
+
+Gradient clipping: torch's `clip_grad_norm_` cannot see gradients that already left the process,
+so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients, and
+the factor that scales them applied inside the next step's pass.
+
+Not supported (a clear InvalidRequestError): amsgrad, maximize, a closure, capturable,
+differentiable, foreach/fused (the daemon's kernel is the fused implementation), parameters that
+were not offloaded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from infinity.errors import InvalidRequestError
+from infinity.protocol import wire
+from infinity.torch.offload import OffloadState, state_of_parameter
+
+__all__ = ["Adam", "AdamW"]
+
+
+class _StoreAdam(torch.optim.Optimizer):
+    """What Adam and AdamW share; `decoupled` says which of the two."""
+
+    decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None) -> None:
+        unsupported = {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
+                       "differentiable": differentiable, "foreach": bool(foreach),
+                       "fused": bool(fused)}
+        for option, value in unsupported.items():
+            if value:
+                raise InvalidRequestError(
+                    f"{type(self).__name__}({option}=True) is not supported: the step runs in "
+                    f"infinityd with its own fused kernel; leave {option} at its default")
+        _check_hyper(lr, betas, eps, weight_decay)
+        # torch's keys, so code that reads a group (schedulers, Trainer, state_dict users)
+        # finds what it expects; the options are fixed, and checked again at each step.
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=False, foreach=None, capturable=False, differentiable=False,
+                        fused=None, decoupled_weight_decay=self.decoupled)
+        super().__init__(params, defaults)
+        self._owners: dict[int, OffloadState] = {}
+        self._grad_scale = 1.0
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._adopt(param)
+
+    # --- the parameters' state in the store -----------------------------------------------
+
+    def _adopt(self, param: nn.Parameter) -> None:
+        state = state_of_parameter(param)
+        if state is None:
+            raise InvalidRequestError(
+                "a parameter given to the optimizer is not in the store; call "
+                "infinity.torch.offload(model, client, namespace=...) before building the "
+                "optimizer, and pass model.parameters()")
+        self._owners[id(param)] = state
+        entry = state.entry_of(param)
+        names = self._names(state, param)
+        client, namespace = state.client, state.config.namespace
+        have = client.exists_many([n for n in names.values() if n], namespace=namespace)
+        wanted = dict(zip([k for k, n in names.items() if n], have))
+        shape = param.shape
+        if not wanted["exp_avg"]:
+            client.put(names["exp_avg"], torch.zeros(shape), namespace=namespace)
+        if not wanted["exp_avg_sq"]:
+            client.put(names["exp_avg_sq"], torch.zeros(shape), namespace=namespace)
+        if names["master"] and not wanted["master"]:
+            with client.get(entry.name, namespace=namespace) as stored:
+                master = stored.float()
+            client.put(names["master"], master, namespace=namespace)
+
+    @staticmethod
+    def _names(state: OffloadState, param: nn.Parameter) -> dict[str, str]:
+        entry = state.entry_of(param)
+        low_precision = entry.placeholder.dtype != torch.float32
+        return {"exp_avg": entry.name + ".exp_avg", "exp_avg_sq": entry.name + ".exp_avg_sq",
+                "master": entry.name + ".master" if low_precision else ""}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_owners"):  # a group added after construction
+            for param in self.param_groups[-1]["params"]:
+                self._adopt(param)
+
+    # --- the step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise InvalidRequestError(
+                f"{type(self).__name__}.step(closure) is not supported: compute the loss and "
+                f"call backward() before step()")
+        requests: dict[tuple[int, str], tuple[Any, list[wire.AdamItem]]] = {}
+        groups: list[wire.AdamGroup] = []
+        for index, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(option):
+                    raise InvalidRequestError(
+                        f"parameter group {index} has {option}=True (from a loaded state_dict?); "
+                        f"{type(self).__name__} does not support it")
+            _check_hyper(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
+            groups.append(wire.AdamGroup(float(group["lr"]), float(beta1), float(beta2),
+                                         float(group["eps"]), float(group["weight_decay"]),
+                                         self.decoupled, float(self._grad_scale)))
+            for param in group["params"]:
+                state = self._owner(param)
+                if not state.has_gradient(param):
+                    continue  # no gradient since zero_grad: torch skips it too
+                entry = state.entry_of(param)
+                names = self._names(state, param)
+                param_state = self.state[param]
+                step = int(param_state.get("step", torch.tensor(0.0)).item()) + 1
+                param_state["step"] = torch.tensor(float(step))
+                key = (id(state.client), state.config.namespace)
+                requests.setdefault(key, (state.client, []))[1].append(wire.AdamItem(
+                    entry.name, entry.grad_name, names["master"], names["exp_avg"],
+                    names["exp_avg_sq"], index, step))
+        self._grad_scale = 1.0
+        for (_, namespace), (client, items) in requests.items():
+            client.adam_step(groups, items, namespace=namespace)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The next backward replaces the stored gradients (they left the process already)."""
+        for state in {id(s): s for s in self._owners.values()}.values():
+            state.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for gradients in the store: returns their total
+        norm and scales them by max_norm / (norm + 1e-6) when that is below 1, inside the next
+        step's pass (the stored gradients are not rewritten)."""
+        if norm_type != 2.0:
+            raise InvalidRequestError("clip_grad_norm_ supports the 2-norm (norm_type=2.0)")
+        total = 0.0
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self._owner(param)
+                if state.has_gradient(param):
+                    total += float(state.gradient(param).double().pow(2).sum())
+        norm = math.sqrt(total)
+        coefficient = max_norm / (norm + 1e-6)
+        self._grad_scale = min(1.0, coefficient)
+        return torch.tensor(norm)
+
+    def _owner(self, param: nn.Parameter) -> OffloadState:
+        state = self._owners.get(id(param))
+        if state is None:
+            raise InvalidRequestError("this parameter is not one of the optimizer's; add it with "
+                                      "add_param_group after offloading its module")
+        return state
+
+    # --- state_dict ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: per parameter its step and both moments (read from the store)."""
+        result = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            if index not in result["state"]:
+                continue
+            state = self._owner(param)
+            names = self._names(state, param)
+            client, namespace = state.client, state.config.namespace
+            # A copy of torch's per-parameter dict (which is the live state): the moments are
+            # the returned dict's alone.
+            result["state"][index] = dict(result["state"][index])
+            for key in ("exp_avg", "exp_avg_sq"):
+                with client.get(names[key], namespace=namespace) as stored:
+                    result["state"][index][key] = stored.clone()
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Steps and hyperparameters as torch loads them; the moments go into the store."""
+        super().load_state_dict(state_dict)
+        for param, param_state in list(self.state.items()):
+            assert isinstance(param, nn.Parameter)
+            state = self._owner(param)
+            names = self._names(state, param)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = param_state.pop(key, None)
+                if value is not None:
+                    state.client.put(names[key], value.detach().float().reshape(param.shape),
+                                     namespace=state.config.namespace)
+
+
+class AdamW(_StoreAdam):
+    """torch.optim.AdamW with its state in the store and its step in infinityd."""
+
+    decoupled = True
+
+
+class Adam(_StoreAdam):
+    """torch.optim.Adam (L2 weight decay added to the gradient), state in the store, step in
+    infinityd."""
+
+    decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **options: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **options)
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        raise InvalidRequestError("a tensor lr is not supported; pass a float")
+    if not 0.0 <= float(lr):
+        raise InvalidRequestError(f"invalid learning rate {lr}: it must be >= 0")
+    if not 0.0 <= float(eps):
+        raise InvalidRequestError(f"invalid eps {eps}: it must be >= 0")
+    if not (0.0 <= float(betas[0]) < 1.0 and 0.0 <= float(betas[1]) < 1.0):
+        raise InvalidRequestError(f"invalid betas {betas}: each must be in [0, 1)")
+    if not 0.0 <= float(weight_decay):
+        raise InvalidRequestError(f"invalid weight_decay {weight_decay}: it must be >= 0")
