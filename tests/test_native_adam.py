@@ -198,3 +198,14 @@ def test_the_kernel_names_the_path_it_takes() -> None:
     assert _native.adam_implementation() in ("avx512", "avx2", "scalar")
     if _native.simd_level() == "avx512":
         assert _native.adam_implementation() == "avx512"
+
+
+def test_the_benchmark_bound_moves_the_bytes_and_keeps_the_moments() -> None:
+    param, grad, m, v = (torch.randn(1001) for _ in range(4))
+    expected = param + grad
+    moments = (m.clone(), v.clone())
+    _native.adam_step(param.data_ptr(), grad.data_ptr(), "float32", m.data_ptr(), v.data_ptr(), 0,
+                      "none", 1001, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      step=1, decoupled=True, implementation="bound")
+    assert torch.equal(param, expected)
+    assert torch.equal(m, moments[0]) and torch.equal(v, moments[1])

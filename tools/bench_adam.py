@@ -11,8 +11,11 @@ subjects in turn within each round (rotated), so the machine's background load f
   the GIL; `infinity_1thread` the same on one thread;
 - `torch_foreach`: `torch.optim.AdamW(foreach=True)`; `torch_fused`: `torch.optim.AdamW(fused=True)`
   (torch's fused CPU kernel), both holding the very same tensors as their state;
-- `bound`: the same bytes moved with one add per element (`implementation="bound"`), split like
-  `infinity`: what memory alone allows.
+- `bound`: the same bytes moved with one add per element, the moments stored back as read
+  (`implementation="bound"`), split like `infinity`: what memory alone allows;
+- `infinity_daemon` (unless --no-daemon): the same step as an `adam_step` request to a private
+  infinityd whose CPU tier holds another copy of the four tensors (its own threads run the kernel
+  in 1 M-element chunks): the kernel plus the request's round trip, leases and hand-offs.
 
 Reported per subject: the median step time and parameters per second, and the ratios of
 `infinity` to the bound and to the best of torch's. DeepSpeed's `DeepSpeedCPUAdam` is not run
@@ -25,8 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -35,7 +41,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+import infinity
+from bench_launch import start_daemon
 from infinity import _native
+from infinity.config import MiB
+from infinity.protocol.wire import AdamGroup, AdamItem
 
 BYTES_MOVED_PER_PARAM = 28  # read p, g, m, v (16 bytes); write p, m, v (12 bytes)
 
@@ -90,7 +100,42 @@ def torch_optimizer(buffers: Buffers, **options: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def measure(numel: int, rounds: int, num_threads: int, progress: Progress) -> dict[str, Any]:
+class DaemonStep:
+    """The step as a request to a private infinityd holding its own copy of the state."""
+
+    GROUP = AdamGroup(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                      decoupled=True, grad_scale=1.0)
+
+    def __init__(self, buffers: Buffers) -> None:
+        self.folder = tempfile.mkdtemp(prefix="infinity-bench-adam-", dir="/var/tmp")
+        state_bytes = buffers.numel * 16
+        budget = (state_bytes * 9 // 8 + 256 * MiB) // (2 * MiB) * (2 * MiB)
+        self.process, config = start_daemon(self.folder, {
+            "daemon.runtime_dir": os.path.join(self.folder, "rt"), "daemon.log_level": "warning",
+            "daemon.request_timeout_s": 600.0, "cpu.budget_bytes": budget,
+            "cpu.segment_bytes": min(1024 * MiB, budget)})
+        self.client = infinity.connect(config=config, name="bench-adam")
+        grad = buffers.param.grad
+        assert grad is not None
+        for name, tensor in (("p", buffers.param.detach()), ("p.grad", grad),
+                             ("p.exp_avg", buffers.exp_avg), ("p.exp_avg_sq", buffers.exp_avg_sq)):
+            self.client.write_from(name, tensor)
+        self.step_count = 0
+
+    def __call__(self) -> None:
+        self.step_count += 1
+        self.client.adam_step([self.GROUP], [AdamItem("p", "p.grad", "", "p.exp_avg",
+                                                      "p.exp_avg_sq", 0, self.step_count)])
+
+    def close(self) -> None:
+        self.client.close()
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
+            daemon: bool) -> dict[str, Any]:
     buffers = Buffers(numel)
     pool = ThreadPoolExecutor(max_workers=num_threads) if num_threads > 1 else None
     foreach = torch_optimizer(buffers, foreach=True)
@@ -110,6 +155,9 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress) -> di
         "torch_fused": fused.step,
         "bound": ours(num_threads, "bound"),
     }
+    through_daemon = DaemonStep(buffers) if daemon else None
+    if through_daemon is not None:
+        subjects["infinity_daemon"] = through_daemon
     times: dict[str, list[float]] = {name: [] for name in subjects}
     order = list(subjects.items())
     task = progress.add_task(f"{numel / 1e6:.0f}M parameters", total=rounds * len(order))
@@ -118,16 +166,14 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress) -> di
     for round_ in range(rounds):
         shift = round_ % len(order)
         for name, subject in order[shift:] + order[:shift]:
-            # The values drift as every subject updates the same state; keep them finite.
-            if round_ and name == "bound":
-                buffers.exp_avg.zero_()
-                buffers.exp_avg_sq.zero_()
             start = time.perf_counter()
             subject()
             times[name].append(time.perf_counter() - start)
             progress.advance(task)
     if pool is not None:
         pool.shutdown()
+    if through_daemon is not None:
+        through_daemon.close()
     result: dict[str, Any] = {}
     for name, samples in times.items():
         median = statistics.median(samples)
@@ -137,6 +183,9 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress) -> di
     best_torch = min(result["torch_foreach"]["median_s"], result["torch_fused"]["median_s"])
     result["ratios"] = {
         "infinity_over_bound": round(result["bound"]["median_s"] / ours_s, 3),
+        **({"daemon_over_bound": round(result["bound"]["median_s"]
+                                       / result["infinity_daemon"]["median_s"], 3)}
+           if daemon else {}),
         "infinity_over_best_torch": round(best_torch / ours_s, 3),
         "infinity_over_torch_fused": round(result["torch_fused"]["median_s"] / ours_s, 3),
     }
@@ -148,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100M,400M", help="parameter counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-daemon", action="store_true",
+                        help="leave out the step through infinityd")
     args = parser.parse_args(argv)
     sizes = [parse_count(text) for text in args.sizes.split(",")]
     console = Console(stderr=True)
@@ -162,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         for numel in sizes:
-            report["sizes"][str(numel)] = measure(numel, args.rounds, args.threads, progress)
+            report["sizes"][str(numel)] = measure(numel, args.rounds, args.threads, progress,
+                                                  daemon=not args.no_daemon)
     ratios = [size["ratios"] for size in report["sizes"].values()]
     report["targets_met"] = {
         "kernel >= 0.95x bound": all(r["infinity_over_bound"] >= 0.95 for r in ratios),

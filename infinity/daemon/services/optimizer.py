@@ -13,7 +13,9 @@ service:
    item's elements, cut into chunks run by the service's threads, then releases the lease.
 
 Items are pipelined within a window of bytes (a quarter of the CPU tier), so the loads of the
-next items overlap the arithmetic of this one and a model larger than the tier still steps. The
+next items overlap the arithmetic of this one and a model larger than the tier still steps. An
+item whose load finds the tier full while other items of the step hold it is put back and started
+again when one of them is done, and the window shrinks to what fitted. The
 reply goes once every item is done: one result per item, None or the error it met (a tensor
 missing, of the wrong dtype or size, leased by someone else). The loop thread never computes.
 """
@@ -32,7 +34,7 @@ from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tiers import TierManager
-from infinity.errors import InfinityError, InvalidRequestError
+from infinity.errors import InfinityError, InvalidRequestError, TierFullError
 from infinity.io.native import native
 from infinity.protocol import wire
 
@@ -68,6 +70,7 @@ class _Job:
     next: int = 0
     in_flight_bytes: int = 0
     running: int = 0
+    retry: list[_Item] = field(default_factory=list)  # put back: the tier was full of our own
 
 
 class OptimizerService:
@@ -88,6 +91,7 @@ class OptimizerService:
         self.closing = False
         self.steps = 0          # items stepped
         self.elements = 0       # parameters stepped
+        self.requeued = 0       # items started again after the tier filled up
 
     def routes(self) -> Routes:
         return {wire.AdamStep: self.adam_step}
@@ -98,6 +102,7 @@ class OptimizerService:
 
     def stats(self) -> dict[str, Any]:
         return {"items_stepped": self.steps, "parameters_stepped": self.elements,
+                "items_requeued": self.requeued, "window_bytes": self.window_bytes,
                 "num_threads": self.num_threads}
 
     # --- a request -----------------------------------------------------------------------
@@ -115,11 +120,15 @@ class OptimizerService:
         return deferred
 
     def _start_more(self, job: _Job) -> None:
-        """Start items in order while the window has room (always at least one)."""
-        while job.next < len(job.items) and (job.running == 0
-                                             or job.in_flight_bytes < self.window_bytes):
-            item = job.items[job.next]
-            job.next += 1
+        """Start items in order while the window has room (always at least one); items put
+        back because the tier was full go first."""
+        while ((job.retry or job.next < len(job.items))
+               and (job.running == 0 or job.in_flight_bytes < self.window_bytes)):
+            if job.retry:
+                item = job.retry.pop(0)
+            else:
+                item = job.items[job.next]
+                job.next += 1
             job.running += 1
             self._begin(job, item)
 
@@ -155,6 +164,20 @@ class OptimizerService:
         if item.waiting == 0:
             self._compute(job, item)
 
+    def _put_back(self, job: _Job, item: _Item) -> bool:
+        """The tier is full while other items of this step hold it: give this one's lease back
+        and start it again once one of them is done (and keep the window below what it had)."""
+        if not isinstance(item.error, TierFullError) or job.running <= 1:
+            return False
+        self.catalog.release(DAEMON_CLIENT_ID, item.lease_id)
+        self.window_bytes = max(1, min(self.window_bytes, job.in_flight_bytes - item.nbytes))
+        job.in_flight_bytes -= item.nbytes
+        job.running -= 1
+        item.error, item.nbytes, item.versions = None, 0, []
+        job.retry.append(item)
+        self.requeued += 1
+        return True
+
     def _check(self, item: _Item) -> None:
         param, grad, avg, avg_sq, *rest = item.versions
         master = rest[0] if rest else None
@@ -187,6 +210,8 @@ class OptimizerService:
             self._compute(job, item)
 
     def _compute(self, job: _Job, item: _Item) -> None:
+        if self._put_back(job, item):
+            return
         if item.error is not None or self.closing:
             self._finish(job, item, item.error or InvalidRequestError(
                 "infinityd is stopping; the step was not applied to this parameter"))
