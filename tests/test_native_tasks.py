@@ -1,14 +1,14 @@
 """The native task pool: copies, per-block CRC32C and fills on fixed threads, completed
-through an eventfd like the I/O engine; and copy_bytes sharing one process-wide pool."""
+through an eventfd like the I/O engine (copy_bytes's own use of a pool: test_io_copy.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import random
 import select
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def pool() -> TaskPool:
+def pool() -> Iterator[TaskPool]:
     with TaskPool(num_threads=3) as p:
         yield p
 
@@ -197,35 +197,3 @@ def test_dropping_an_open_pool_with_tasks_queued_joins_its_threads() -> None:
 
 def _thread_names() -> list[str]:
     return [(p / "comm").read_text().strip() for p in Path("/proc/self/task").iterdir()]
-
-
-def _copy_threads() -> set[str]:
-    return {p.name for p in Path("/proc/self/task").iterdir()
-            if (p / "comm").read_text().startswith("infinity-copy")}
-
-
-def test_copy_bytes_splits_large_copies_over_one_lasting_pool_not_new_threads() -> None:
-    src, dst = random_buffer(17 * MiB + 5, seed=7), _native.AlignedBuffer(17 * MiB + 5)
-    _native.copy_bytes(dst.address, src.address, 17 * MiB + 5, 3)
-    first = _copy_threads()
-    assert first, "no infinity-copy threads: the split copy did not use the shared pool"
-    for shift in range(1, 6):
-        _native.copy_bytes(dst.address + shift, src.address, 17 * MiB + 5 - shift, 3)
-        assert bytes(memoryview(dst)[shift:]) == bytes(memoryview(src)[:17 * MiB + 5 - shift])
-    assert _copy_threads() == first  # the same threads, not a new set per call
-    assert len(first) == min(64, os.cpu_count() or 1)
-
-
-def test_copy_bytes_in_a_forked_child_gets_a_pool_of_its_own() -> None:
-    src, dst = random_buffer(17 * MiB, seed=8), _native.AlignedBuffer(17 * MiB)
-    _native.copy_bytes(dst.address, src.address, 17 * MiB, 2)  # the parent's pool exists now
-    memoryview(dst)[:] = bytes(17 * MiB)
-    pid = os.fork()
-    if pid == 0:  # the child: the parent's pool threads are not here
-        try:
-            _native.copy_bytes(dst.address, src.address, 17 * MiB, 2)
-            ok = bytes(memoryview(dst)) == bytes(memoryview(src))
-        finally:
-            os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
