@@ -102,11 +102,26 @@ void TaskPool::run_one(PoolTask* task, size_t index) {
   int err = 0;
   try {
     err = task->task->run_chunk(index, &why);
-  } catch (const std::bad_alloc&) {  // run_chunk is noexcept; this is for kinds that forget
+  } catch (const std::bad_alloc&) {
     err = ENOMEM;
     why = "out of memory";
+  } catch (const std::invalid_argument& e) {
+    err = EINVAL;
+    why = e.what();
+  } catch (const std::exception& e) {
+    err = EIO;
+    why = e.what();
+  } catch (...) {
+    err = EIO;
+    why = "an unknown exception";
   }
-  if (err != 0) task->fail(err, "chunk " + std::to_string(index) + " of task " + std::to_string(task->id) + ": " + why);
+  if (err != 0) {
+    try {
+      task->fail(err, "chunk " + std::to_string(index) + " of task " + std::to_string(task->id) + ": " + why);
+    } catch (const std::bad_alloc&) {
+      task->fail(err, std::string());  // the errno alone still reaches the caller
+    }
+  }
   chunk_done(task, 1);
 }
 
@@ -284,6 +299,13 @@ namespace {
 std::mutex g_shared_mu;
 std::atomic<TaskPool*> g_shared{nullptr};
 std::atomic<pid_t> g_shared_pid{0};
+
+// Held across fork(), so that a child never inherits it locked by a thread it does not have.
+void lock_shared_mu() { g_shared_mu.lock(); }
+void unlock_shared_mu() { g_shared_mu.unlock(); }
+// pthread_atfork fails only for want of memory; the child then merely risks what every
+// process without the handler does, so the result is kept only for debuggers to see.
+const int g_atfork_result = pthread_atfork(lock_shared_mu, unlock_shared_mu, unlock_shared_mu);
 }  // namespace
 
 TaskPool* shared_task_pool() noexcept {

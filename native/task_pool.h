@@ -31,8 +31,10 @@ class Task {
   // At least 1; fixed for the task's life.
   virtual size_t chunks() const noexcept = 0;
   // Runs chunk `index`. Returns 0, or a positive errno with *message saying
-  // what failed (the task's first failure is the one reported).
-  virtual int run_chunk(size_t index, std::string* message) noexcept = 0;
+  // what failed (the task's first failure is the one reported). An exception
+  // fails the task too, never the process: ENOMEM for std::bad_alloc, EINVAL
+  // for std::invalid_argument, EIO for anything else, with what() as message.
+  virtual int run_chunk(size_t index, std::string* message) = 0;
 };
 
 struct TaskResult {

@@ -61,7 +61,7 @@ CopyTask::CopyTask(uint64_t dst, uint64_t src, int64_t nbytes, size_t pieces) {
   chunks_ = chunk_count(n_, piece_);
 }
 
-int CopyTask::run_chunk(size_t index, std::string*) noexcept {
+int CopyTask::run_chunk(size_t index, std::string*) {
   const size_t off = index * piece_;
   if (off < n_) copy_range(dst_ + off, src_ + off, std::min(piece_, n_ - off));
   return 0;
@@ -78,7 +78,7 @@ FillTask::FillTask(uint64_t dst, int64_t nbytes, int value, size_t pieces) {
   chunks_ = chunk_count(n_, piece_);
 }
 
-int FillTask::run_chunk(size_t index, std::string*) noexcept {
+int FillTask::run_chunk(size_t index, std::string*) {
   const size_t off = index * piece_;
   if (off < n_) std::memset(dst_ + off, value_, std::min(piece_, n_ - off));
   return 0;
@@ -105,7 +105,7 @@ Crc32cTask::Crc32cTask(uint64_t data, int64_t nbytes, uint64_t crc_addr, int64_t
   chunks_ = blocks_ == 0 ? 1 : (blocks_ + blocks_per_chunk_ - 1) / blocks_per_chunk_;
 }
 
-int Crc32cTask::run_chunk(size_t index, std::string* message) noexcept {
+int Crc32cTask::run_chunk(size_t index, std::string* message) {
   const size_t first = index * blocks_per_chunk_;
   const size_t last = std::min(blocks_, first + blocks_per_chunk_);
   for (size_t k = first; k < last; ++k) {

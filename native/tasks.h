@@ -22,7 +22,7 @@ class CopyTask final : public Task {
  public:
   CopyTask(uint64_t dst, uint64_t src, int64_t nbytes, size_t pieces);
   size_t chunks() const noexcept override { return chunks_; }
-  int run_chunk(size_t index, std::string* message) noexcept override;
+  int run_chunk(size_t index, std::string* message) override;
 
  private:
   char* dst_;
@@ -37,7 +37,7 @@ class FillTask final : public Task {
  public:
   FillTask(uint64_t dst, int64_t nbytes, int value, size_t pieces);
   size_t chunks() const noexcept override { return chunks_; }
-  int run_chunk(size_t index, std::string* message) noexcept override;
+  int run_chunk(size_t index, std::string* message) override;
 
  private:
   char* dst_;
@@ -56,7 +56,7 @@ class Crc32cTask final : public Task {
  public:
   Crc32cTask(uint64_t data, int64_t nbytes, uint64_t crc_addr, int64_t block_bytes, bool verify, size_t pieces);
   size_t chunks() const noexcept override { return chunks_; }
-  int run_chunk(size_t index, std::string* message) noexcept override;
+  int run_chunk(size_t index, std::string* message) override;
   size_t blocks() const noexcept { return blocks_; }
 
  private:
