@@ -38,7 +38,8 @@ class IOFuture:
 
     def __repr__(self) -> str:
         state = "pending" if not self._event.is_set() else ("failed" if self._error else "done")
-        return f"<IOFuture batch {self.batch_id} {state}>"
+        unit = getattr(self._collector, "unit_name", "batch")  # "I/O batch" or "task"
+        return f"<IOFuture {unit} {self.batch_id} {state}>"
 
     def done(self) -> bool:
         """True once the batch has completed; never blocks."""
