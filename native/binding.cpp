@@ -17,6 +17,8 @@
 #include "errors.h"
 #include "kaio.h"
 #include "shared_memory.h"
+#include "task_pool.h"
+#include "tasks.h"
 #include "uring.h"
 
 namespace py = pybind11;
@@ -76,6 +78,27 @@ struct EngineDeleter {
   }
 };
 
+// A pool dropped without close() closes in its destructor, which waits for the chunks in
+// flight and joins the threads: not with the GIL held (the same reason as EngineDeleter).
+struct TaskPoolDeleter {
+  void operator()(infinity::TaskPool* pool) const {
+    py::gil_scoped_release nogil;
+    delete pool;
+  }
+};
+
+// pieces == 0: one per pool thread, none smaller than min_piece bytes.
+size_t resolve_pieces(int64_t pieces, int64_t nbytes, size_t min_piece, const infinity::TaskPool& pool) {
+  if (pieces < 0) throw py::value_error("pieces is " + std::to_string(pieces) + "; it must be >= 0 (0: automatic)");
+  if (pieces > 0) return static_cast<size_t>(pieces);
+  return infinity::auto_pieces(nbytes > 0 ? static_cast<size_t>(nbytes) : 0, min_piece, pool.num_threads());
+}
+
+uint64_t submit_task(infinity::TaskPool& pool, std::unique_ptr<infinity::Task> task) {
+  py::gil_scoped_release nogil;
+  return pool.submit(std::move(task));
+}
+
 py::tuple result_tuple(const infinity::BatchResult& r) { return py::make_tuple(r.id, r.err, r.message); }
 
 // Bytes of a C-contiguous buffer; anything strided would be checksummed wrong.
@@ -93,7 +116,7 @@ size_t contiguous_bytes(const py::buffer_info& info) {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "Infinity's native core: async I/O engine, CRC32C, aligned memory.";
+  m.doc() = "Infinity's native core: async I/O engine, task pool, CRC32C, aligned memory.";
 
   static py::exception<infinity::AlignmentViolation> alignment_error(m, "AlignmentError", PyExc_ValueError);
   py::register_exception_translator([](std::exception_ptr p) {
@@ -255,6 +278,80 @@ PYBIND11_MODULE(_native, m) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.nbytes())}, {static_cast<py::ssize_t>(1)},
                                /*readonly=*/false);
+      });
+
+  // Below these a piece is not worth a thread's wake-up.
+  constexpr size_t kMinCopyPiece = size_t(4) << 20;
+  constexpr size_t kMinCrcPiece = size_t(1) << 20;
+  py::class_<infinity::TaskPool, std::unique_ptr<infinity::TaskPool, TaskPoolDeleter>>(m, "TaskPool")
+      .def(py::init<int, const std::string&>(), "num_threads"_a, "thread_name"_a = "infinity-task",
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_threads", &infinity::TaskPool::num_threads)
+      .def_property_readonly("completion_fd", &infinity::TaskPool::completion_fd)
+      .def(
+          "submit_copy",
+          [](infinity::TaskPool& p, uint64_t dst, uint64_t src, int64_t nbytes, int64_t pieces) {
+            auto task = std::make_unique<infinity::CopyTask>(dst, src, nbytes,
+                                                             resolve_pieces(pieces, nbytes, kMinCopyPiece, p));
+            return submit_task(p, std::move(task));
+          },
+          "dst"_a, "src"_a, "nbytes"_a, "pieces"_a = 0,
+          "Queue a copy of nbytes from src to dst (disjoint); returns the task id.")
+      .def(
+          "submit_fill",
+          [](infinity::TaskPool& p, uint64_t dst, int64_t nbytes, int value, int64_t pieces) {
+            auto task = std::make_unique<infinity::FillTask>(dst, nbytes, value,
+                                                             resolve_pieces(pieces, nbytes, kMinCopyPiece, p));
+            return submit_task(p, std::move(task));
+          },
+          "dst"_a, "nbytes"_a, "value"_a = 0, "pieces"_a = 0,
+          "Queue setting nbytes at dst to the byte value; returns the task id.")
+      .def(
+          "submit_crc32c",
+          [](infinity::TaskPool& p, uint64_t addr, int64_t nbytes, uint64_t crc_addr, int64_t crc_block_bytes,
+             bool verify, int64_t pieces) {
+            auto task = std::make_unique<infinity::Crc32cTask>(addr, nbytes, crc_addr, crc_block_bytes, verify,
+                                                               resolve_pieces(pieces, nbytes, kMinCrcPiece, p));
+            return submit_task(p, std::move(task));
+          },
+          "addr"_a, "nbytes"_a, "crc_addr"_a, "crc_block_bytes"_a, "verify"_a = false, "pieces"_a = 0,
+          "Queue the CRC32C of each crc_block_bytes block into uint32[] at crc_addr (verify: compare with "
+          "what is there, failing with EBADMSG); returns the task id.")
+      .def("poll",
+           [](infinity::TaskPool& p) {
+             std::vector<infinity::TaskResult> done;
+             {
+               py::gil_scoped_release nogil;
+               done = p.poll();
+             }
+             py::list out;
+             for (const auto& r : done) out.append(py::make_tuple(r.id, r.err, r.message));
+             return out;
+           })
+      .def(
+          "wait",
+          [](infinity::TaskPool& p, uint64_t task_id, double timeout_s) {
+            infinity::TaskResult r;
+            infinity::WaitStatus st;
+            {
+              py::gil_scoped_release nogil;
+              st = p.wait(task_id, timeout_s, &r);
+            }
+            if (st == infinity::WaitStatus::kTimeout) {
+              PyErr_SetString(PyExc_TimeoutError,
+                              ("task " + std::to_string(task_id) + " did not complete in time").c_str());
+              throw py::error_already_set();
+            }
+            if (st == infinity::WaitStatus::kUnknown)
+              throw py::key_error("task " + std::to_string(task_id) + " is unknown or was already reported");
+            return py::make_tuple(r.err, r.message);
+          },
+          "task_id"_a, "timeout_s"_a = -1.0)
+      .def("close", &infinity::TaskPool::close, py::call_guard<py::gil_scoped_release>())
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](infinity::TaskPool& p, py::args) {
+        py::gil_scoped_release nogil;
+        p.close();
       });
 
   py::class_<infinity::Engine, std::unique_ptr<infinity::Engine, EngineDeleter>>(m, "Engine")

@@ -4,13 +4,11 @@
 
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
-#include <system_error>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "cpu.h"
+#include "task_pool.h"
+#include "tasks.h"
 
 namespace infinity {
 namespace {
@@ -76,6 +74,10 @@ void copy_one(char* d, const char* s, size_t n) {
 
 }  // namespace
 
+void copy_range(void* dst, const void* src, size_t n) noexcept {
+  copy_one(static_cast<char*>(dst), static_cast<const char*>(src), n);
+}
+
 void copy_bytes(void* dst, const void* src, size_t n, int num_threads) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
@@ -83,22 +85,15 @@ void copy_bytes(void* dst, const void* src, size_t n, int num_threads) {
     copy_one(d, s, n);
     return;
   }
-  // Pieces on 4 KiB boundaries so no two threads write the same cache line.
-  const size_t piece = ((n / static_cast<size_t>(num_threads)) + 4095) & ~static_cast<size_t>(4095);
-  std::vector<std::thread> helpers;
-  helpers.reserve(static_cast<size_t>(num_threads) - 1);
-  size_t offset = piece;
-  try {
-    for (; offset < n; offset += piece) {
-      const size_t len = offset + piece <= n ? piece : n - offset;
-      helpers.emplace_back(copy_one, d + offset, s + offset, len);
-    }
-  } catch (const std::system_error&) {
-    // No thread to be had: copy the rest on this one.
-    copy_one(d + offset, s + offset, n - offset);
+  // The process's pool and this thread share the pieces: no thread is made per call.
+  TaskPool* pool = shared_task_pool();
+  if (pool == nullptr) {  // no threads to be had: copy on this one
+    copy_one(d, s, n);
+    return;
   }
-  copy_one(d, s, piece < n ? piece : n);
-  for (auto& t : helpers) t.join();
+  CopyTask task(reinterpret_cast<uint64_t>(dst), reinterpret_cast<uint64_t>(src), static_cast<int64_t>(n),
+                static_cast<size_t>(num_threads));
+  (void)pool->run(task);  // a copy has no way to fail once its arguments passed
 }
 
 const char* copy_implementation() {

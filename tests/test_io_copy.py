@@ -1,8 +1,11 @@
 """copy_into: the streaming copy used to fill shared slices."""
 
+import os
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +152,41 @@ def test_copies_from_several_threads_at_once_are_exact(monkeypatch: pytest.Monke
         t.join()
     assert all(torch.equal(t, s) for t, s in zip(targets, sources))
     assert choice._running == 0
+
+
+def _random_buffer(nbytes: int) -> _native.AlignedBuffer:
+    buf = _native.AlignedBuffer(nbytes)
+    memoryview(buf)[:] = random.Random(nbytes).randbytes(nbytes)
+    return buf
+
+
+def _copy_threads() -> set[str]:
+    return {p.name for p in Path("/proc/self/task").iterdir()
+            if (p / "comm").read_text().startswith("infinity-copy")}
+
+
+def test_copy_bytes_splits_large_copies_over_one_lasting_pool_not_new_threads() -> None:
+    src, dst = _random_buffer(17 * MiB + 5), _native.AlignedBuffer(17 * MiB + 5)
+    _native.copy_bytes(dst.address, src.address, 17 * MiB + 5, 3)
+    first = _copy_threads()
+    assert first, "no infinity-copy threads: the split copy did not use the shared pool"
+    for shift in range(1, 6):
+        _native.copy_bytes(dst.address + shift, src.address, 17 * MiB + 5 - shift, 3)
+        assert bytes(memoryview(dst)[shift:]) == bytes(memoryview(src)[:17 * MiB + 5 - shift])
+    assert _copy_threads() == first  # the same threads, not a new set per call
+    assert len(first) == min(64, os.cpu_count() or 1)
+
+
+def test_copy_bytes_in_a_forked_child_gets_a_pool_of_its_own() -> None:
+    src, dst = _random_buffer(17 * MiB), _native.AlignedBuffer(17 * MiB)
+    _native.copy_bytes(dst.address, src.address, 17 * MiB, 2)  # the parent's pool exists now
+    memoryview(dst)[:] = bytes(17 * MiB)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool threads are not here
+        try:
+            _native.copy_bytes(dst.address, src.address, 17 * MiB, 2)
+            ok = bytes(memoryview(dst)) == bytes(memoryview(src))
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

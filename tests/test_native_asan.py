@@ -1,4 +1,5 @@
-"""Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC and error paths under it."""
+"""Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC, task-pool and error paths
+under it."""
 
 from __future__ import annotations
 
@@ -129,6 +130,41 @@ SCRIPT = textwrap.dedent(
         n.copy_bytes(out.address + shift, big.address + 7, size, threads)
         assert bytes(memoryview(out)[shift:shift + size]) == bytes(memoryview(big)[7:7 + size])
 
+    # The task pool: copy, fill and CRC tasks side by side, reported through the eventfd.
+    import select
+    pool = n.TaskPool(3)
+    crcs40 = (ctypes.c_uint32 * 40)()
+    ids = {pool.submit_copy(out.address + 3, big.address + 5, 17 * MiB + 9),
+           pool.submit_fill(out.address + 20 * MiB + 1, 4 * MiB + 1, 7, 3),
+           pool.submit_crc32c(big.address, 40 * MiB, ctypes.addressof(crcs40), MiB)}
+    while ids:
+        assert select.select([pool.completion_fd], [], [], 60)[0]
+        for task_id, err, msg in pool.poll():
+            assert err == 0, msg
+            ids.discard(task_id)
+    assert bytes(memoryview(out)[3:3 + 17 * MiB + 9]) == bytes(memoryview(big)[5:5 + 17 * MiB + 9])
+    assert bytes(memoryview(out)[20 * MiB + 1:24 * MiB + 2]) == b"\x07" * (4 * MiB + 1)
+    assert crcs40[39] == n.crc32c_portable(bytes(memoryview(big)[39 * MiB:40 * MiB]))
+    memoryview(big)[MiB + 5] ^= 1
+    err, msg = pool.wait(pool.submit_crc32c(big.address, 40 * MiB, ctypes.addressof(crcs40), MiB, True))
+    assert err == errno.EBADMSG and "block 1" in msg, msg
+    for bad in (lambda: pool.submit_copy(out.address + 1, out.address, MiB),
+                lambda: pool.submit_fill(0, 5),
+                lambda: pool.submit_crc32c(big.address, 10, ctypes.addressof(crcs40) + 2, MiB)):
+        try:
+            bad()
+            raise SystemExit("bad task arguments accepted")
+        except ValueError:
+            pass
+    in_flight = [pool.submit_fill(out.address, 40 * MiB, i % 256, 4) for i in range(30)]
+    pool.close()  # cancels the chunks not started, joins the threads
+    for task_id in in_flight:
+        assert pool.wait(task_id)[0] in (0, errno.ECANCELED)
+    dropped_pool = n.TaskPool(2)
+    for i in range(10):
+        dropped_pool.submit_copy(out.address, big.address, 40 * MiB)
+    del dropped_pool  # the destructor closes it (without the GIL)
+
     # Huge pages for shared memory: a memfd with bytes in it, an odd length, a bad fd.
     fd = os.memfd_create("asan")
     os.ftruncate(fd, 4 * MiB + 4096)
@@ -166,7 +202,7 @@ def asan_build() -> Iterator[Path]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def test_io_crc_and_error_paths_are_clean_under_address_sanitizer(asan_build: Path, disk_tmp: str) -> None:
+def test_io_crc_task_pool_and_error_paths_are_clean_under_address_sanitizer(asan_build: Path, disk_tmp: str) -> None:
     assert LIBASAN is not None
     preload = ":".join(p for p in (LIBASAN, LIBSTDCXX) if p)
     env = dict(os.environ, LD_PRELOAD=preload, ASAN_OPTIONS="detect_leaks=0")

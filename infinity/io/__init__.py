@@ -4,7 +4,9 @@
         buf = aligned_empty(64 << 20)
         eng.submit([IOOp.read(fd=fd, address=buf.data_ptr(), nbytes=buf.nbytes, offset=0)]).result()
 
-Modules: engine (IOEngine), future (IOFuture), ops (IOOp), buffers
+Modules: engine (IOEngine), tasks (TaskPool: copies, checksums and fills on
+native threads), completions (the id -> future map both share), future
+(IOFuture), ops (IOOp), buffers
 (aligned_empty, crc32c), errno_map (native errno -> infinity.errors),
 native (loading and typing infinity._native).
 
@@ -23,6 +25,7 @@ from infinity.io.future import IOFuture
 from infinity.io.native import (probe_aio, probe_io_uring, probe_shared_memory_collapse,
                                 simd_level)
 from infinity.io.ops import CRC_BLOCK_BYTES, IOOp, crc_count
+from infinity.io.tasks import TaskPool, default_task_threads
 
 if TYPE_CHECKING:
     from infinity.io.buffers import (ALIGNMENT, aligned_capacity, aligned_empty, copy_into, crc32c,
@@ -45,11 +48,13 @@ __all__ = [
     "IOEngine",
     "IOFuture",
     "IOOp",
+    "TaskPool",
     "aligned_capacity",
     "aligned_empty",
     "copy_into",
     "crc32c",
     "crc_count",
+    "default_task_threads",
     "error_from_errno",
     "probe_aio",
     "probe_io_uring",

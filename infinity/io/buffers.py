@@ -88,7 +88,9 @@ class FillMethod:
     than torch's count at the time of the copy (a forked worker that torch runs on one thread
     copies on one), and a large copy that starts while another runs (several threads putting
     at once) streams on one thread: the threads those copies ask for together would otherwise
-    be more than there are, and a trial timed then would measure the crowd, not the method."""
+    be more than there are, and a trial timed then would measure the crowd, not the method.
+    A split runs on the calling thread and the process's native copy pool (`infinity-copy`
+    threads, made once), so no copy starts threads of its own."""
 
     def __init__(self, *, trials: int = 5) -> None:
         self.trials = trials

@@ -1,6 +1,7 @@
 """`IOEngine`: submits batches of `IOOp` to the native engine and returns `IOFuture`s.
 
-It owns the map from batch id to future. The daemon's loop registers
+It owns turning ops into native batches; the map from batch id to future is
+its `CompletionSource` base's (shared with the task pool). The daemon's loop registers
 `completion_fd` with its poller and calls `poll()` when it becomes
 readable; other callers simply block in `IOFuture.result()`, which waits in
 slices of `WAIT_SLICE_S` so that Ctrl-C and signal handlers get through.
@@ -16,19 +17,19 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import threading
-import time
 import weakref
 from types import TracebackType
 from typing import Iterable
 
 from infinity.config import IOConfig
 from infinity.errors import AlignmentError, IOEngineError
+from infinity.io.completions import WAIT_SLICE_S, CompletionSource
+from infinity.io.errno_map import error_from_errno
 from infinity.io.future import IOFuture
 from infinity.io.native import NativeEngine, native
 from infinity.io.ops import IOOp
 
-WAIT_SLICE_S = 0.1
+__all__ = ["IOEngine", "WAIT_SLICE_S"]
 
 _live: weakref.WeakSet[IOEngine] = weakref.WeakSet()
 
@@ -42,12 +43,15 @@ def _abandon_in_child() -> None:
 os.register_at_fork(after_in_child=_abandon_in_child)
 
 
-class IOEngine:
-    """Asynchronous O_DIRECT / pread-pwrite engine with futures.
+class IOEngine(CompletionSource):
+    """Asynchronous O_DIRECT / pread-pwrite engine with futures (poll, pending, completion_fd:
+    see `CompletionSource`).
 
     Built from an `IOConfig` (the `[io]` table), with keyword arguments
     overriding single fields: `IOEngine(backend="threads", queue_depth=8)`.
     """
+
+    unit_name = "I/O batch"
 
     def __init__(
         self,
@@ -75,8 +79,7 @@ class IOEngine:
             )
         except (RuntimeError, OSError) as exc:
             raise IOEngineError(str(exc)) from exc
-        self._lock = threading.Lock()
-        self._futures: dict[int, IOFuture] = {}
+        super().__init__(self._native, error_from_errno)
         self._closed = False
         self._pid = os.getpid()  # the worker threads do not survive fork()
         _live.add(self)
@@ -97,11 +100,6 @@ class IOEngine:
     def backend_note(self) -> str:
         """Why "auto" passed over io_uring (and aio); empty when it did not."""
         return self._native.backend_note
-
-    @property
-    def completion_fd(self) -> int:
-        """An eventfd that becomes readable when a batch completes; poll() clears it."""
-        return self._native.completion_fd
 
     @property
     def staged_bytes(self) -> int:
@@ -141,72 +139,13 @@ class IOEngine:
                 raise IOEngineError(f"invalid I/O op: {exc}") from exc
             except RuntimeError as exc:
                 raise IOEngineError(str(exc)) from exc
-            future = IOFuture(self, batch_id, keepalive)
-            self._futures[batch_id] = future
-        return future
+            return self._track(batch_id, keepalive)
 
     def run(self, ops: Iterable[IOOp] | IOOp, timeout_s: float | None = None) -> None:
         """submit() and wait for the result."""
         self.submit(ops).result(timeout_s)
 
     # --- completing -----------------------------------------------------------
-
-    def poll(self) -> int:
-        """Resolve every completed batch's future (running its callbacks); never blocks.
-
-        Returns how many futures it resolved.
-        """
-        resolved = 0
-        done = iter(self._native.poll())  # taken out of the native engine: only here now
-        try:
-            for batch_id, err, message in done:
-                if self._resolve(batch_id, err, message):
-                    resolved += 1
-        finally:
-            # A callback that raised KeyboardInterrupt (or SystemExit) must not leave the
-            # futures of the rest unresolved for ever: they are resolved before it goes on.
-            for batch_id, err, message in done:
-                try:
-                    self._resolve(batch_id, err, message)
-                except BaseException:  # noqa: BLE001 - the first one is the one raised
-                    pass
-        return resolved
-
-    def pending(self) -> int:
-        """Futures submitted and not yet resolved."""
-        with self._lock:
-            return len(self._futures)
-
-    def _resolve(self, batch_id: int, err: int, message: str) -> bool:
-        with self._lock:
-            future = self._futures.pop(batch_id, None)
-        return future is not None and future._resolve(err, message)
-
-    def _collect(self, future: IOFuture, timeout_s: float | None) -> None:
-        # No Python lock is held while the native wait blocks (GIL released). It waits in
-        # slices: the native wait cannot be interrupted, and a signal's Python handler (Ctrl-C)
-        # runs only between them, while the batch's result stays in the engine.
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            remaining = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                err, message = self._native.wait(future.batch_id, min(WAIT_SLICE_S, remaining))
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
-                    ) from None
-                continue
-            except KeyError:
-                # poll() or another waiter took the result and is resolving it now.
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not future._wait_resolved(left):
-                    raise TimeoutError(
-                        f"I/O batch {future.batch_id} did not complete within {timeout_s} s"
-                    ) from None
-                return
-            self._resolve(future.batch_id, err, message)
-            return
 
     # --- lifetime ---------------------------------------------------------------
 

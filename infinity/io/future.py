@@ -1,7 +1,7 @@
-"""`IOFuture`: the pending result of one submitted batch.
+"""`IOFuture`: the pending result of one submitted batch (I/O engine) or task (task pool).
 
 A future is resolved exactly once, by whichever comes first: the owner of
-the event loop calling `IOEngine.poll()`, or a thread calling `result()`,
+the event loop calling `IOEngine.poll()` or `TaskPool.poll()`, or a thread calling `result()`,
 which waits in native code with the GIL released and no Python lock held.
 Callbacks run in the thread that resolves the future.
 """
@@ -25,8 +25,10 @@ class _Collector(Protocol):
 class IOFuture:
     """Completion of one batch of I/O ops; thread-safe."""
 
-    def __init__(self, collector: _Collector, batch_id: int, keepalive: object = None) -> None:
+    def __init__(self, collector: _Collector, batch_id: int, keepalive: object = None, *,
+                 to_error: Callable[[int, str], IOEngineError] = error_from_errno) -> None:
         self._collector = collector
+        self._to_error = to_error
         self.batch_id = batch_id
         self._keepalive = keepalive  # buffers the native threads use; dropped once done
         self._lock = threading.Lock()
@@ -36,7 +38,8 @@ class IOFuture:
 
     def __repr__(self) -> str:
         state = "pending" if not self._event.is_set() else ("failed" if self._error else "done")
-        return f"<IOFuture batch {self.batch_id} {state}>"
+        unit = getattr(self._collector, "unit_name", "batch")  # "I/O batch" or "task"
+        return f"<IOFuture {unit} {self.batch_id} {state}>"
 
     def done(self) -> bool:
         """True once the batch has completed; never blocks."""
@@ -48,7 +51,7 @@ class IOFuture:
         return self._event.is_set()
 
     def result(self, timeout_s: float | None = None) -> None:
-        """Wait for the batch; raise its error (IOEngineError or a subclass) if it failed.
+        """Wait for the batch (or task); raise its error (IOEngineError or a subclass) if it failed.
 
         Raises TimeoutError if it is still running after timeout_s seconds.
         """
@@ -78,7 +81,7 @@ class IOFuture:
         with self._lock:
             if self._event.is_set():
                 return False
-            self._error = error_from_errno(err, message) if err else None
+            self._error = self._to_error(err, message) if err else None
             callbacks, self._callbacks = self._callbacks, []
             self._keepalive = None
             self._event.set()
