@@ -68,6 +68,49 @@ infinity::ElementType element_type(const std::string& name, const char* what) {
 
 size_t element_bytes(infinity::ElementType t) { return t == infinity::ElementType::kFloat32 ? 4 : 2; }
 
+
+// The buffers and hyperparameters of one Adam call, checked: a ValueError names what is wrong.
+struct AdamCall {
+  infinity::AdamBuffers buffers;
+  infinity::AdamHyper hyper;
+  size_t numel = 0;
+};
+
+AdamCall adam_call(uint64_t param, uint64_t grad, const std::string& grad_dtype, uint64_t exp_avg,
+                   uint64_t exp_avg_sq, uint64_t low, const std::string& low_dtype, int64_t numel, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, int64_t step, bool decoupled,
+                   double grad_scale) {
+  if (numel < 0) throw py::value_error("numel is " + std::to_string(numel) + "; it must be >= 0");
+  AdamCall call;
+  infinity::AdamBuffers& b = call.buffers;
+  b.param = reinterpret_cast<float*>(param);
+  b.grad = reinterpret_cast<const void*>(grad);
+  b.grad_type = element_type(grad_dtype, "grad_dtype");
+  b.exp_avg = reinterpret_cast<float*>(exp_avg);
+  b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  b.low = reinterpret_cast<void*>(low);
+  b.low_type = element_type(low_dtype, "low_dtype");
+  infinity::AdamHyper& h = call.hyper;
+  h.lr = lr; h.beta1 = beta1; h.beta2 = beta2; h.eps = eps; h.weight_decay = weight_decay;
+  h.step = step; h.decoupled = decoupled; h.grad_scale = grad_scale;
+  const std::string problem = infinity::adam_check(b, h);
+  if (!problem.empty()) throw py::value_error(problem);
+  // The buffers written or read must not overlap: a shared byte would be read after another
+  // element's update wrote it.
+  const size_t n = static_cast<size_t>(numel);
+  const uint64_t starts[5] = {param, exp_avg, exp_avg_sq, grad, low};
+  const uint64_t sizes[5] = {n * 4, n * 4, n * 4, n * element_bytes(b.grad_type),
+                             low ? n * element_bytes(b.low_type) : 0};
+  static const char* names[5] = {"param", "exp_avg", "exp_avg_sq", "grad", "low"};
+  for (int i = 0; i < 5; ++i)
+    for (int j = i + 1; j < 5; ++j)
+      if (sizes[i] && sizes[j] && starts[i] < starts[j] + sizes[j] && starts[j] < starts[i] + sizes[i])
+        throw py::value_error(std::string(names[i]) + " and " + names[j] +
+                              " overlap; each Adam buffer must be its own memory");
+  call.numel = n;
+  return call;
+}
+
 // An engine dropped without close() closes in its destructor, which waits for the ops in
 // flight and joins the I/O threads: not with the GIL held, or every Python thread stalls as
 // long as the slowest op (the threads never call into Python, so releasing it is safe).
@@ -191,43 +234,20 @@ PYBIND11_MODULE(_native, m) {
          uint64_t low, const std::string& low_dtype, int64_t numel, double lr, double beta1, double beta2,
          double eps, double weight_decay, int64_t step, bool decoupled, double grad_scale,
          const std::string& implementation) {
-        if (numel < 0) throw py::value_error("numel is " + std::to_string(numel) + "; it must be >= 0");
-        infinity::AdamBuffers b;
-        b.param = reinterpret_cast<float*>(param);
-        b.grad = reinterpret_cast<const void*>(grad);
-        b.grad_type = element_type(grad_dtype, "grad_dtype");
-        b.exp_avg = reinterpret_cast<float*>(exp_avg);
-        b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
-        b.low = reinterpret_cast<void*>(low);
-        b.low_type = element_type(low_dtype, "low_dtype");
-        infinity::AdamHyper h;
-        h.lr = lr; h.beta1 = beta1; h.beta2 = beta2; h.eps = eps; h.weight_decay = weight_decay;
-        h.step = step; h.decoupled = decoupled; h.grad_scale = grad_scale;
-        const std::string problem = infinity::adam_check(b, h);
-        if (!problem.empty()) throw py::value_error(problem);
-        // The four buffers written or read must not overlap: a shared byte would be read after
-        // another element's update wrote it.
-        const size_t n = static_cast<size_t>(numel);
-        const uint64_t starts[5] = {param, exp_avg, exp_avg_sq, grad, low};
-        const uint64_t sizes[5] = {n * 4, n * 4, n * 4, n * element_bytes(b.grad_type),
-                                   low ? n * element_bytes(b.low_type) : 0};
-        static const char* names[5] = {"param", "exp_avg", "exp_avg_sq", "grad", "low"};
-        for (int i = 0; i < 5; ++i)
-          for (int j = i + 1; j < 5; ++j)
-            if (sizes[i] && sizes[j] && starts[i] < starts[j] + sizes[j] && starts[j] < starts[i] + sizes[i])
-              throw py::value_error(std::string(names[i]) + " and " + names[j] +
-                                    " overlap; each Adam buffer must be its own memory");
+        const AdamCall call = adam_call(param, grad, grad_dtype, exp_avg, exp_avg_sq, low, low_dtype, numel, lr,
+                                        beta1, beta2, eps, weight_decay, step, decoupled, grad_scale);
         bool ran = true;
         if (implementation == "bound") {  // the memory traffic alone, for benchmarks
           py::gil_scoped_release nogil;
-          infinity::adam_bound_range(b, 0, n);
+          infinity::adam_bound_range(call.buffers, 0, call.numel);
         } else {
           py::gil_scoped_release nogil;
-          ran = infinity::adam_step_range_with(implementation.c_str(), b, h, 0, n);
+          ran = infinity::adam_step_range_with(implementation.c_str(), call.buffers, call.hyper, 0, call.numel);
         }
         if (!ran)
           throw py::value_error("implementation " + implementation + " cannot run on this CPU (it offers " +
-                                infinity::adam_implementation() + "); use auto, scalar, avx2 or avx512");
+                                infinity::adam_implementation() +
+                                "); use auto, scalar, avx2 or avx512 (or bound, the memory traffic alone)");
       },
       "param"_a, "grad"_a, "grad_dtype"_a, "exp_avg"_a, "exp_avg_sq"_a, "low"_a, "low_dtype"_a, "numel"_a,
       py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "decoupled"_a,
@@ -235,7 +255,7 @@ PYBIND11_MODULE(_native, m) {
       "One Adam (decoupled=False) or AdamW step over numel fp32 elements in place, as torch's "
       "single-tensor Adam computes it; writes the parameter's low-precision copy in the same pass. "
       "implementation=\"bound\" moves the same bytes with one add each (a benchmark's bound; it "
-      "overwrites the state).");
+      "overwrites the parameter).");
   m.def(
       "grad_stats",
       [](uint64_t grad, const std::string& dtype, int64_t numel) {
@@ -317,6 +337,22 @@ PYBIND11_MODULE(_native, m) {
           "addr"_a, "nbytes"_a, "crc_addr"_a, "crc_block_bytes"_a, "verify"_a = false, "pieces"_a = 0,
           "Queue the CRC32C of each crc_block_bytes block into uint32[] at crc_addr (verify: compare with "
           "what is there, failing with EBADMSG); returns the task id.")
+      .def(
+          "submit_adam",
+          [](infinity::TaskPool& p, uint64_t param, uint64_t grad, const std::string& grad_dtype, uint64_t exp_avg,
+             uint64_t exp_avg_sq, uint64_t low, const std::string& low_dtype, int64_t numel, double lr,
+             double beta1, double beta2, double eps, double weight_decay, int64_t step, bool decoupled,
+             double grad_scale, int64_t chunk_elements) {
+            const AdamCall call = adam_call(param, grad, grad_dtype, exp_avg, exp_avg_sq, low, low_dtype, numel,
+                                            lr, beta1, beta2, eps, weight_decay, step, decoupled, grad_scale);
+            auto task = std::make_unique<infinity::AdamTask>(call.buffers, call.hyper, numel, chunk_elements);
+            return submit_task(p, std::move(task));
+          },
+          "param"_a, "grad"_a, "grad_dtype"_a, "exp_avg"_a, "exp_avg_sq"_a, "low"_a, "low_dtype"_a, "numel"_a,
+          py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "decoupled"_a,
+          "grad_scale"_a = 1.0, "chunk_elements"_a = 1 << 20,
+          "Queue one Adam / AdamW step (see adam_step) over numel elements, in chunks of chunk_elements run "
+          "by the pool's threads; returns the task id.")
       .def("poll",
            [](infinity::TaskPool& p) {
              std::vector<infinity::TaskResult> done;

@@ -125,4 +125,24 @@ int Crc32cTask::run_chunk(size_t index, std::string* message) {
   return 0;
 }
 
+AdamTask::AdamTask(const AdamBuffers& buffers, const AdamHyper& hyper, int64_t numel, int64_t chunk_elements)
+    : buffers_(buffers), hyper_(hyper) {
+  if (numel < 0) throw std::invalid_argument("numel is " + std::to_string(numel) + "; it must be >= 0");
+  if (chunk_elements <= 0)
+    throw std::invalid_argument("chunk_elements is " + std::to_string(chunk_elements) + "; it must be > 0");
+  const std::string problem = adam_check(buffers, hyper);
+  if (!problem.empty()) throw std::invalid_argument(problem);
+  n_ = static_cast<size_t>(numel);
+  // Whole 64-byte vectors per chunk, so no two threads write one cache line of a buffer.
+  chunk_ = (static_cast<size_t>(chunk_elements) + 15) / 16 * 16;
+  chunks_ = n_ == 0 ? 1 : (n_ + chunk_ - 1) / chunk_;
+}
+
+int AdamTask::run_chunk(size_t index, std::string*) {
+  const size_t begin = index * chunk_;
+  const size_t end = begin + chunk_ < n_ ? begin + chunk_ : n_;
+  adam_step_range(buffers_, hyper_, begin, end);
+  return 0;
+}
+
 }  // namespace infinity

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "adam.h"
 #include "task_pool.h"
 
 namespace infinity {
@@ -67,6 +68,22 @@ class Crc32cTask final : public Task {
   size_t blocks_;
   bool verify_;
   size_t blocks_per_chunk_;
+  size_t chunks_;
+};
+
+// One Adam / AdamW step (adam.h) over numel elements, in chunks of chunk_elements elements
+// (whole vectors). The buffers were checked by adam_check when it was made.
+class AdamTask final : public Task {
+ public:
+  AdamTask(const AdamBuffers& buffers, const AdamHyper& hyper, int64_t numel, int64_t chunk_elements);
+  size_t chunks() const noexcept override { return chunks_; }
+  int run_chunk(size_t index, std::string* message) override;
+
+ private:
+  AdamBuffers buffers_;
+  AdamHyper hyper_;
+  size_t n_;
+  size_t chunk_;
   size_t chunks_;
 };
 

@@ -39,6 +39,8 @@ REQUESTS: list[wire.Request] = [
     wire.GetAhead((wire.GetItem("ns", "next"),)),
     wire.Upcoming("ns", 16, 1 << 30),
     wire.NamespaceOp("create", "model", "read-only", 1 << 30),
+    wire.AdamStep("model", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0),),
+                  (wire.AdamItem("w", "w.grad", "w.master", "w.exp_avg", "w.exp_avg_sq", 0, 3),)),
     wire.Multi.of([(78, wire.Get((wire.GetItem("ns", "w"),))),
                    (79, wire.Reserve((wire.ReserveItem("ns", "w.grad", "float32", (4,)),))),
                    (80, wire.Release((3,)))]),
@@ -301,3 +303,17 @@ def test_a_multi_the_daemon_would_refuse_is_refused_before_sending() -> None:
     for requests in ([], [(5, exists), (5, exists)], [(5, wire.Stats())], [(0, exists)]):
         with pytest.raises(InvalidRequestError):
             wire.Multi.of(requests)
+
+
+def test_an_adam_item_naming_a_group_the_request_lacks_is_malformed() -> None:
+    body = wire.AdamStep("ns", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0),),
+                         (wire.AdamItem("w", "w.grad", "", "m", "v", 1, 1),)).body()
+    with pytest.raises(ProtocolError, match="names group 1 of 1"):
+        wire.AdamStep.from_body(body)
+
+
+def test_an_adam_step_counts_from_one() -> None:
+    body = wire.AdamStep("ns", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0),),
+                         (wire.AdamItem("w", "w.grad", "", "m", "v", 0, 0),)).body()
+    with pytest.raises(ProtocolError, match="below 1"):
+        wire.AdamStep.from_body(body)

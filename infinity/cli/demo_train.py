@@ -117,7 +117,7 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
         model.eval()
         prompt = torch.tensor([list(PROMPT)])
         with torch.no_grad():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt),  # type: ignore[operator]
                                  max_new_tokens=48, do_sample=False)
         text = bytes(out[0].tolist()).decode("utf-8", "replace")
         console.print(f"the trained model, greedy, from {PROMPT.decode()!r}: [bold]{text!r}")

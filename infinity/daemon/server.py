@@ -38,6 +38,7 @@ from infinity.daemon.sessions import Sessions
 from infinity.daemon.residency import Residency
 from infinity.daemon.restore import restore_catalog
 from infinity.daemon.streams import StreamTable
+from infinity.daemon.tasks import LoopTaskPool
 from infinity.daemon.tiers import TierManager
 from infinity.protocol.paths import RuntimeLayout
 
@@ -90,8 +91,12 @@ class Daemon:
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
         self.stream_service = StreamService(self.streams, self.counters, self.namespaces)
         self.namespace_service = NamespaceService(self.namespaces, self.catalog)
+        # Compute beside the data (the optimizer's kernels) runs on one native task pool whose
+        # completions wake the loop, as the I/O engine's do.
+        self.tasks = LoopTaskPool(self.loop)
         self.optimizer = OptimizerService(self.loop, self.catalog, self.tiers, self.counters,
-                                          self.namespaces, cpu_tier_bytes=config.cpu.budget_bytes)
+                                          self.namespaces, self.tasks,
+                                          cpu_tier_bytes=config.cpu.budget_bytes)
         # A session's end: its scheduler streams first, then its streams, then its leases.
         self.session_service = SessionService(
             config, layout, self.loop, self.arena, sessions=self.sessions,
@@ -140,7 +145,8 @@ class Daemon:
         for session in list(self.sessions):
             self.steps.client_gone(session)  # traces refined since they were last saved
         self.traces.closing = self.planner.closing = self.data.closing = True
-        self.optimizer.close()  # the steps under way finish their arithmetic first
+        self.optimizer.close()
+        self.tasks.close()  # the steps under way finish their arithmetic first
         # First let the I/O and index work in flight finish: flushes that complete are still
         # answered, and nothing is freed under the engine.
         self.tiers.close()

@@ -58,6 +58,13 @@ class NativeTaskPool(Protocol):
     def submit_crc32c(self, addr: int, nbytes: int, crc_addr: int, crc_block_bytes: int,
                       verify: bool = False, pieces: int = 0) -> int: ...
 
+    def submit_adam(
+        self, param: int, grad: int, grad_dtype: str, exp_avg: int, exp_avg_sq: int, low: int,
+        low_dtype: str, numel: int, *, lr: float, beta1: float, beta2: float, eps: float,
+        weight_decay: float, step: int, decoupled: bool, grad_scale: float = 1.0,
+        chunk_elements: int = 1 << 20,
+    ) -> int: ...
+
     def poll(self) -> list[tuple[int, int, str]]: ...
 
     def wait(self, task_id: int, timeout_s: float = -1.0) -> tuple[int, str]: ...

@@ -111,6 +111,23 @@ class TaskPool(CompletionSource):
             keepalive,
         )
 
+    def submit_adam(self, *, param: int, grad: int, grad_dtype: str, exp_avg: int,
+                    exp_avg_sq: int, numel: int, lr: float, beta1: float, beta2: float,
+                    eps: float, weight_decay: float, step: int, decoupled: bool,
+                    grad_scale: float = 1.0, low: int = 0, low_dtype: str = "none",
+                    chunk_elements: int = 1 << 20, keepalive: object = None) -> IOFuture:
+        """One Adam (decoupled=False) or AdamW step over `numel` fp32 elements in place (the
+        parameter or its master copy at `param`, both moments), from a gradient of `grad_dtype`;
+        with `low`, the parameter rounded to `low_dtype` is written in the same pass. Chunks of
+        `chunk_elements` run on the pool's threads (see `_native.adam_step` for the arithmetic)."""
+        return self._submit(
+            lambda: self._native.submit_adam(
+                param, grad, grad_dtype, exp_avg, exp_avg_sq, low, low_dtype, numel, lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                decoupled=decoupled, grad_scale=grad_scale, chunk_elements=chunk_elements),
+            keepalive,
+        )
+
     def _submit(self, call: Callable[[], int], keepalive: object) -> IOFuture:
         mod = native()
         with self._lock:

@@ -9,8 +9,9 @@ service:
    the rest exclusively, so no client reads a half-updated parameter and the tier writes the
    result back to NVMe as a new copy (written in place marks it dirty);
 2. has the tiers load what is only on NVMe (`ensure_resident`), and
-3. runs the native kernel (`_native.adam_step`: one pass over memory, SIMD, no GIL) over the
-   item's elements, cut into chunks run by the service's threads, then releases the lease.
+3. runs the native kernel (an Adam task on the daemon's native task pool: one pass over memory,
+   SIMD, no Python and no GIL) over the item's elements, cut into chunks run by the pool's
+   threads; the pool's eventfd wakes the loop when the item is done, which releases the lease.
 
 Items are pipelined within a window of bytes (a quarter of the CPU tier), so the loads of the
 next items overlap the arithmetic of this one and a model larger than the tier still steps. An
@@ -23,8 +24,6 @@ missing, of the wrong dtype or size, leased by someone else). The loop thread ne
 from __future__ import annotations
 
 import logging
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,15 +32,16 @@ from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
+from infinity.daemon.tasks import LoopTaskPool
 from infinity.daemon.tiers import TierManager
 from infinity.errors import InfinityError, InvalidRequestError, TierFullError
-from infinity.io.native import native
+from infinity.io.future import IOFuture
 from infinity.protocol import wire
 
 log = logging.getLogger("infinityd")
 
 ADAM_DTYPES = ("float32", "bfloat16", "float16")
-CHUNK_ELEMENTS = 1 << 20  # a thread's share of one item: large enough to stream, small to balance
+CHUNK_ELEMENTS = 1 << 18  # a thread's share of one item: large enough to stream, small to balance
 
 
 @dataclass(eq=False)
@@ -54,7 +54,6 @@ class _Item:
     lease_id: int = 0
     versions: list[Version] = field(default_factory=list)  # param, grad, exp_avg, exp_avg_sq[, master]
     waiting: int = 0  # loads still to finish
-    chunks_left: int = 0
     error: InfinityError | None = None
     nbytes: int = 0
 
@@ -74,20 +73,18 @@ class _Job:
 
 
 class OptimizerService:
-    """Runs `adam_step` requests; its threads run the kernels, its loop callbacks everything else."""
+    """Runs `adam_step` requests: the task pool runs the kernels, loop callbacks the rest."""
 
     def __init__(self, loop: EventLoop, catalog: Catalog, tiers: TierManager,
-                 counters: DaemonCounters, namespaces: Namespaces, *, cpu_tier_bytes: int,
-                 num_threads: int | None = None) -> None:
+                 counters: DaemonCounters, namespaces: Namespaces, tasks: LoopTaskPool, *,
+                 cpu_tier_bytes: int) -> None:
         self.loop = loop
         self.catalog = catalog
         self.tiers = tiers
         self.counters = counters
         self.namespaces = namespaces
+        self.tasks = tasks
         self.window_bytes = max(1, cpu_tier_bytes // 4)
-        self.num_threads = num_threads or max(1, min(os.cpu_count() or 1, 16))
-        self._threads = ThreadPoolExecutor(max_workers=self.num_threads,
-                                           thread_name_prefix="infinityd-adam")
         self.closing = False
         self.steps = 0          # items stepped
         self.elements = 0       # parameters stepped
@@ -97,13 +94,12 @@ class OptimizerService:
         return {wire.AdamStep: self.adam_step}
 
     def close(self) -> None:
-        self.closing = True
-        self._threads.shutdown(wait=True)
+        self.closing = True  # the pool (the daemon's) finishes the steps under way as it closes
 
     def stats(self) -> dict[str, Any]:
         return {"items_stepped": self.steps, "parameters_stepped": self.elements,
                 "items_requeued": self.requeued, "window_bytes": self.window_bytes,
-                "num_threads": self.num_threads}
+                "num_threads": self.tasks.pool.num_threads}
 
     # --- a request -----------------------------------------------------------------------
 
@@ -225,43 +221,36 @@ class OptimizerService:
             self._finish(job, item, None)
             return
         address = self.tiers.address_of
-        group, step = item.group, item.item.step
-        target = master if master is not None else param
-        low, low_dtype = (address(param.cpu), param.dtype) if master is not None else (0, "none")  # type: ignore[arg-type]
-        grad_size = 4 if grad.dtype == "float32" else 2
-        low_size = 4 if low_dtype == "float32" else 2
-        bases = (address(target.cpu), address(grad.cpu), address(avg.cpu),  # type: ignore[arg-type]
-                 address(avg_sq.cpu), low)  # type: ignore[arg-type]
-        kernel = native().adam_step
-        chunks = [(begin, min(begin + CHUNK_ELEMENTS, numel))
-                  for begin in range(0, numel, CHUNK_ELEMENTS)]
-        item.chunks_left = len(chunks)
+        group = item.group
+        target = master if master is not None else param  # the fp32 values the step updates
+        try:
+            future = self.tasks.pool.submit_adam(
+                param=address(target.cpu), grad=address(grad.cpu), grad_dtype=grad.dtype,  # type: ignore[arg-type]
+                exp_avg=address(avg.cpu), exp_avg_sq=address(avg_sq.cpu), numel=numel,  # type: ignore[arg-type]
+                lr=group.lr, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
+                weight_decay=group.weight_decay, step=item.item.step, decoupled=group.decoupled,
+                grad_scale=group.grad_scale,
+                low=address(param.cpu) if master is not None else 0,  # type: ignore[arg-type]
+                low_dtype=param.dtype if master is not None else "none",
+                chunk_elements=CHUNK_ELEMENTS)
+        except InfinityError as exc:
+            self._finish(job, item, exc)
+            return
 
-        def run(begin: int, end: int) -> None:
-            kernel(bases[0] + 4 * begin, bases[1] + grad_size * begin, grad.dtype,
-                   bases[2] + 4 * begin, bases[3] + 4 * begin,
-                   bases[4] + low_size * begin if bases[4] else 0, low_dtype, end - begin,
-                   lr=group.lr, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
-                   weight_decay=group.weight_decay, step=step, decoupled=group.decoupled,
-                   grad_scale=group.grad_scale)
+        def done(future: IOFuture) -> None:  # on the loop thread: it polls the pool
+            self._computed(job, item, future.exception())
 
-        def done(future: Future[None]) -> None:  # on a kernel thread: hand over to the loop
-            error = future.exception()
-            self.loop.call_soon_threadsafe(lambda: self._chunk_done(job, item, error))
+        future.add_done_callback(done)
 
-        for begin, end in chunks:
-            self._threads.submit(run, begin, end).add_done_callback(done)
-
-    def _chunk_done(self, job: _Job, item: _Item, exc: BaseException | None) -> None:
+    def _computed(self, job: _Job, item: _Item, exc: BaseException | None) -> None:
         if exc is not None and item.error is None:
             log.error("the Adam kernel failed on %r: %s", item.item.param, exc)
-            item.error = InvalidRequestError(f"the optimizer step failed on parameter "
-                                             f"{item.item.param!r}: {exc}")
-        item.chunks_left -= 1
-        if item.chunks_left == 0:
+            item.error = exc if isinstance(exc, InfinityError) else InvalidRequestError(
+                f"the optimizer step failed on parameter {item.item.param!r}: {exc}")
+        if item.error is None:
             self.steps += 1
             self.elements += _numel(item.versions[0])
-            self._finish(job, item, item.error)
+        self._finish(job, item, item.error)
 
     def _finish(self, job: _Job, item: _Item, error: InfinityError | None) -> None:
         try:
