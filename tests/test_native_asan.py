@@ -165,6 +165,38 @@ SCRIPT = textwrap.dedent(
         dropped_pool.submit_copy(out.address, big.address, 40 * MiB)
     del dropped_pool  # the destructor closes it (without the GIL)
 
+    # The Adam kernel on every path this CPU has, odd sizes (vector bodies and scalar tails), a
+    # bf16 gradient and low copy, and the same step as a task on a pool, chunk edges included.
+    def floats(count):
+        buf = n.AlignedBuffer(max(4096, count * 4))
+        return buf, buf.address
+    adam_hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2,
+                      decoupled=True)
+    for count in (1, 15, 17, 1001, 65_537):
+        bufs = [floats(count) for _ in range(4)]
+        low = n.AlignedBuffer(max(4096, count * 2))
+        grad16 = n.AlignedBuffer(max(4096, count * 2))
+        for implementation in ("scalar", "avx2", "avx512", "auto", "bound"):
+            try:
+                n.adam_step(bufs[0][1], bufs[1][1], "float32", bufs[2][1], bufs[3][1], low.address,
+                            "bfloat16", count, implementation=implementation, **adam_hyper)
+            except ValueError as exc:
+                assert "cannot run on this CPU" in str(exc), exc
+        n.adam_step(bufs[0][1], grad16.address, "float16", bufs[2][1], bufs[3][1], 0, "none", count,
+                    **adam_hyper)
+        assert n.grad_stats(grad16.address, "bfloat16", count) == (0.0, False)
+        adam_pool = n.TaskPool(3)
+        task = adam_pool.submit_adam(bufs[0][1], bufs[1][1], "float32", bufs[2][1], bufs[3][1],
+                                     low.address, "float16", count, chunk_elements=5, **adam_hyper)
+        assert adam_pool.wait(task) == (0, "")
+        adam_pool.close()
+    try:
+        n.adam_step(out.address, out.address, "float32", out.address + 64, out.address + 128, 0,
+                    "none", 64, **adam_hyper)
+        raise SystemExit("overlapping Adam buffers accepted")
+    except ValueError:
+        pass
+
     # Huge pages for shared memory: a memfd with bytes in it, an odd length, a bad fd.
     fd = os.memfd_create("asan")
     os.ftruncate(fd, 4 * MiB + 4096)
