@@ -1,7 +1,8 @@
 """Multi-stage jobs (read, compute, write) written as one generator, run on the loop thread.
 
 A job is a generator that yields what it waits for, an `IOFuture` of the I/O engine or of
-the task pool (or a list of them, waited for together), and is resumed on the daemon's loop
+the task pool, or a `concurrent.futures.Future` that another part of the daemon completes (a
+load from NVMe, say), or a list of them, waited for together; it is resumed on the daemon's loop
 thread when that has completed; so its stages read top to bottom in one place, instead of
 as a chain of callbacks:
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Generator, Generic, Sequence, TypeVar, Union
+from typing import Any, Generator, Generic, Sequence, TypeVar, Union
 
 from infinity.daemon.loop import EventLoop
 from infinity.io.future import IOFuture
@@ -32,7 +33,8 @@ from infinity.io.future import IOFuture
 log = logging.getLogger("infinityd.jobs")
 
 T = TypeVar("T")
-Stage = Union[IOFuture, Sequence[IOFuture]]
+Waitable = Union[IOFuture, "Future[Any]"]
+Stage = Union[Waitable, Sequence[Waitable]]
 Job = Generator[Stage, None, T]
 
 
@@ -52,7 +54,7 @@ class _JobRunner(Generic[T]):
         self._job = job
         self.name = name
         self.outcome: Future[T] = Future()
-        self._stage: list[IOFuture] = []
+        self._stage: list[Waitable] = []
         self._waiting = 0
 
     def advance(self, error: BaseException | None) -> None:
@@ -69,7 +71,7 @@ class _JobRunner(Generic[T]):
         if futures is None:
             self.advance(TypeError(
                 f"job {self.name!r} yielded {stage!r}; a job stage must be an IOFuture (of the I/O "
-                "engine or the task pool) or a list of them"))
+                "engine or the task pool), a concurrent.futures.Future, or a list of them"))
             return
         self._stage, self._waiting = futures, len(futures)
         if not futures:
@@ -80,10 +82,11 @@ class _JobRunner(Generic[T]):
             future.add_done_callback(lambda _f: self._loop.call_soon_threadsafe(self._part_done))
 
     @staticmethod
-    def _futures_of(stage: object) -> list[IOFuture] | None:
-        if isinstance(stage, IOFuture):
+    def _futures_of(stage: object) -> list[Waitable] | None:
+        if isinstance(stage, (IOFuture, Future)):
             return [stage]
-        if isinstance(stage, (list, tuple)) and all(isinstance(f, IOFuture) for f in stage):
+        if isinstance(stage, (list, tuple)) and all(isinstance(f, (IOFuture, Future))
+                                                    for f in stage):
             return list(stage)
         return None
 

@@ -13,6 +13,8 @@ service:
    SIMD, no Python and no GIL) over the item's elements, cut into chunks run by the pool's
    threads; the pool's eventfd wakes the loop when the item is done, which releases the lease.
 
+The stages of one item after its lease read top to bottom in `_step_one`, a job (`infinity.daemon.jobs`)
+that yields the loads and the kernel's task and is resumed on the loop thread as each completes.
 Items are pipelined within a window of bytes (a quarter of the CPU tier), so the loads of the
 next items overlap the arithmetic of this one and a model larger than the tier still steps. An
 item whose load finds the tier full while other items of the step hold it is put back and started
@@ -24,10 +26,12 @@ missing, of the wrong dtype or size, leased by someone else). The loop thread ne
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.daemon.catalog import Catalog, Version
+from infinity.daemon.jobs import Job, start_job
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
@@ -35,7 +39,6 @@ from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tasks import LoopTaskPool
 from infinity.daemon.tiers import TierManager
 from infinity.errors import InfinityError, InvalidRequestError, TierFullError
-from infinity.io.future import IOFuture
 from infinity.protocol import wire
 
 log = logging.getLogger("infinityd")
@@ -53,7 +56,6 @@ class _Item:
     group: wire.AdamGroup
     lease_id: int = 0
     versions: list[Version] = field(default_factory=list)  # param, grad, exp_avg, exp_avg_sq[, master]
-    waiting: int = 0  # loads still to finish
     error: InfinityError | None = None
     nbytes: int = 0
 
@@ -129,6 +131,22 @@ class OptimizerService:
             self._begin(job, item)
 
     def _begin(self, job: _Job, item: _Item) -> None:
+        """Lease the item's tensors now (so the window counts them before the next item
+        starts), then run the rest of its step as a job."""
+        try:
+            self._lease(job, item)
+        except InfinityError as exc:
+            self._finish(job, item, exc)
+            return
+
+        def ended(outcome: Future[str]) -> None:  # on the loop thread, as the job ran there
+            self._ended(job, item, outcome)
+
+        start_job(self.loop, self._step_one(job, item), name=f"adam step of {item.item.param!r}"
+                  ).add_done_callback(ended)
+
+    def _lease(self, job: _Job, item: _Item) -> None:
+        """Lease the tensors as the daemon: exclusive what is written, shared the gradient."""
         ns, names = job.namespace, item.item
         wanted = [(ns, names.param, True), (ns, names.grad, False), (ns, names.exp_avg, True),
                   (ns, names.exp_avg_sq, True)]
@@ -137,34 +155,86 @@ class OptimizerService:
         item.lease_id = self.catalog.internal_lease_id()
         _, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, item.lease_id, wanted)
         item.versions = [o for o in outcomes if isinstance(o, Version)]
-        failed = next((o for o in outcomes if not isinstance(o, Version)), None)
-        if failed is not None:
-            self._finish(job, item, failed)  # type: ignore[arg-type]
-            return
-        try:
-            self._check(item)
-        except InfinityError as exc:
-            self._finish(job, item, exc)
-            return
+        for outcome in outcomes:
+            if isinstance(outcome, InfinityError):
+                raise outcome
+        self._check(item)
         item.nbytes = sum(v.nbytes for v in item.versions)
         job.in_flight_bytes += item.nbytes
-        def loaded(error: InfinityError | None) -> None:
-            self._loaded(job, item, error)
 
-        for version in item.versions:
+    def _step_one(self, job: _Job, item: _Item) -> Job[str]:
+        """The rest of one parameter's step once leased, its stages in order: load, compute.
+        Returns "done", or "put back" when the tier was too full of this step's other items to
+        load it now."""
+        # Bring what is only on NVMe into the CPU tier.
+        loads = [self._resident(v) for v in item.versions if v.cpu is None and v.nbytes]
+        if loads:
             try:
-                if not self.tiers.ensure_resident(version, loaded):
-                    item.waiting += 1
-            except InfinityError as exc:
-                item.error = item.error or exc
-        if item.waiting == 0:
-            self._compute(job, item)
+                yield loads
+            except TierFullError:
+                if job.running > 1:
+                    return "put back"  # this step's other items hold the tier: after them
+                raise
+        if self.closing:
+            raise InvalidRequestError("infinityd is stopping; the step was not applied to this "
+                                      "parameter")
+        # The arithmetic, on the native task pool: the fp32 values (the master copy when
+        # there is one) and both moments in place, the parameter's own dtype written alongside.
+        for version in item.versions[:1] + item.versions[2:]:
+            self.catalog.handed_out(DAEMON_CLIENT_ID, version)  # written in place from now on
+        param, grad, avg, avg_sq, *rest = item.versions
+        master = rest[0] if rest else None
+        numel = _numel(param)
+        if numel:
+            address, group = self.tiers.address_of, item.group
+            target = master if master is not None else param
+            yield self.tasks.pool.submit_adam(
+                param=address(target.cpu), grad=address(grad.cpu), grad_dtype=grad.dtype,  # type: ignore[arg-type]
+                exp_avg=address(avg.cpu), exp_avg_sq=address(avg_sq.cpu), numel=numel,  # type: ignore[arg-type]
+                lr=group.lr, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
+                weight_decay=group.weight_decay, step=item.item.step, decoupled=group.decoupled,
+                grad_scale=group.grad_scale,
+                low=address(param.cpu) if master is not None else 0,  # type: ignore[arg-type]
+                low_dtype=param.dtype if master is not None else "none",
+                chunk_elements=CHUNK_ELEMENTS)
+        return "done"
 
-    def _put_back(self, job: _Job, item: _Item) -> bool:
+    def _resident(self, version: Version) -> Future[None]:
+        """A future of the version's bytes being in the CPU tier (its load from NVMe done)."""
+        future: Future[None] = Future()
+
+        def loaded(error: InfinityError | None) -> None:
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        try:
+            if self.tiers.ensure_resident(version, loaded):
+                future.set_result(None)
+        except InfinityError as exc:
+            future.set_exception(exc)
+        return future
+
+    def _ended(self, job: _Job, item: _Item, outcome: Future[str]) -> None:
+        error = outcome.exception()
+        if error is None and outcome.result() == "put back":
+            self._put_back(job, item)
+            self._start_more(job)
+            return
+        if error is None:
+            self.steps += 1
+            self.elements += _numel(item.versions[0])
+        elif not isinstance(error, InfinityError):
+            log.exception("the optimizer step of %r failed", item.item.param, exc_info=error)
+            error = InfinityError(f"infinityd failed on the step of parameter "
+                                  f"{item.item.param!r} ({type(error).__name__}: {error}); see "
+                                  f"its log")
+        self._finish(job, item, error)
+
+    def _put_back(self, job: _Job, item: _Item) -> None:
         """The tier is full while other items of this step hold it: give this one's lease back
         and start it again once one of them is done (and keep the window below what it had)."""
-        if not isinstance(item.error, TierFullError) or job.running <= 1:
-            return False
         self.catalog.release(DAEMON_CLIENT_ID, item.lease_id)
         self.window_bytes = max(1, min(self.window_bytes, job.in_flight_bytes - item.nbytes))
         job.in_flight_bytes -= item.nbytes
@@ -172,7 +242,6 @@ class OptimizerService:
         item.error, item.nbytes, item.versions = None, 0, []
         job.retry.append(item)
         self.requeued += 1
-        return True
 
     def _check(self, item: _Item) -> None:
         param, grad, avg, avg_sq, *rest = item.versions
@@ -197,60 +266,6 @@ class OptimizerService:
             raise InvalidRequestError(
                 f"{described} is {param.dtype} and has no float32 master copy; name one (the "
                 f"optimizer keeps it), or keep the parameter in float32")
-
-    def _loaded(self, job: _Job, item: _Item, error: InfinityError | None) -> None:
-        item.waiting -= 1
-        if error is not None:
-            item.error = item.error or error
-        if item.waiting == 0:
-            self._compute(job, item)
-
-    def _compute(self, job: _Job, item: _Item) -> None:
-        if self._put_back(job, item):
-            return
-        if item.error is not None or self.closing:
-            self._finish(job, item, item.error or InvalidRequestError(
-                "infinityd is stopping; the step was not applied to this parameter"))
-            return
-        for version in item.versions[:1] + item.versions[2:]:
-            self.catalog.handed_out(DAEMON_CLIENT_ID, version)  # written in place from now on
-        param, grad, avg, avg_sq, *rest = item.versions
-        master = rest[0] if rest else None
-        numel = _numel(param)
-        if numel == 0:
-            self._finish(job, item, None)
-            return
-        address = self.tiers.address_of
-        group = item.group
-        target = master if master is not None else param  # the fp32 values the step updates
-        try:
-            future = self.tasks.pool.submit_adam(
-                param=address(target.cpu), grad=address(grad.cpu), grad_dtype=grad.dtype,  # type: ignore[arg-type]
-                exp_avg=address(avg.cpu), exp_avg_sq=address(avg_sq.cpu), numel=numel,  # type: ignore[arg-type]
-                lr=group.lr, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
-                weight_decay=group.weight_decay, step=item.item.step, decoupled=group.decoupled,
-                grad_scale=group.grad_scale,
-                low=address(param.cpu) if master is not None else 0,  # type: ignore[arg-type]
-                low_dtype=param.dtype if master is not None else "none",
-                chunk_elements=CHUNK_ELEMENTS)
-        except InfinityError as exc:
-            self._finish(job, item, exc)
-            return
-
-        def done(future: IOFuture) -> None:  # on the loop thread: it polls the pool
-            self._computed(job, item, future.exception())
-
-        future.add_done_callback(done)
-
-    def _computed(self, job: _Job, item: _Item, exc: BaseException | None) -> None:
-        if exc is not None and item.error is None:
-            log.error("the Adam kernel failed on %r: %s", item.item.param, exc)
-            item.error = exc if isinstance(exc, InfinityError) else InvalidRequestError(
-                f"the optimizer step failed on parameter {item.item.param!r}: {exc}")
-        if item.error is None:
-            self.steps += 1
-            self.elements += _numel(item.versions[0])
-        self._finish(job, item, item.error)
 
     def _finish(self, job: _Job, item: _Item, error: InfinityError | None) -> None:
         try:
