@@ -18,7 +18,8 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     with open(os.path.join(disk_tmp, "store", "infinity-extents.dat"), "wb") as f:
         f.write(bytes(4096))
     result = subprocess.run(
-        [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp, "--io-bytes", str(128 << 20)],
+        [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp, "--io-bytes", str(128 << 20),
+         "--train-steps", "3"],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "HOME": disk_tmp, "INFINITY_CONFIG": ""})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -31,11 +32,20 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     assert report["daemon"] == {"tensors": 37, "bit_exact": True, "zero_copy": True,
                                 "cpu_budget_bytes": 512 << 20}  # the demo's, smaller than the default
     assert not RuntimeLayout(os.path.join(disk_tmp, "run")).daemon_running()  # the demo stopped it
+    # Training with the state on NVMe: the state was larger than the CPU tier and moved through
+    # the disk, the loss is a number, and the curve was drawn (braille), not printed as a column.
+    train = report["train"]
+    assert train["steps"] == 3 and train["state_bytes"] >= 4 * train["cpu_budget_bytes"] * 0.9
+    assert train["nvme_read_bytes"] > 0 and train["nvme_written_bytes"] > 0
+    assert 0 < train["last_loss"] < 10
+    assert "training loss" in result.stderr and any(0x2801 <= ord(c) <= 0x28FF for c in result.stderr)
+    assert not RuntimeLayout(os.path.join(disk_tmp, "train-run")).daemon_running()
 
 
 def test_demo_keeps_a_cpu_tier_the_user_set(disk_tmp: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "infinity.cli.main", "demo", "--dir", disk_tmp, "--io-bytes", str(64 << 20),
+         "--train-steps", "0",
          "--set", f"cpu.budget_bytes={134 << 20}", "--set", f"cpu.segment_bytes={32 << 20}"],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "HOME": disk_tmp, "INFINITY_CONFIG": ""})

@@ -4,7 +4,9 @@ Part one moves random tensors through the NVMe tier in a folder under the
 current directory and reads them back verified (the engine at work). Part two
 starts `infinityd` in a private runtime folder, puts tensors through one client
 process, reads them bit-exactly from a second one through shared memory, and
-stops the daemon.
+stops the daemon. Part three (`demo_train`) fine-tunes a small GPT-2 whose
+parameters and Adam states live on NVMe through a daemon whose CPU tier holds a
+quarter of them, draws the loss curve and lets the model write a line.
 """
 
 from __future__ import annotations
@@ -154,6 +156,16 @@ def run(args: argparse.Namespace) -> int:
     from infinity.cli import demo_daemon
 
     report["daemon"] = demo_daemon.daemon_part(config, base / "run", console)
+    if args.train_steps > 0:
+        from infinity.cli import demo_train
+
+        train_store = base / "train-store"
+        _fresh_demo_folder(train_store, base / "train-run")
+        try:
+            report["train"] = demo_train.train_part(config, base, console,
+                                                    steps=args.train_steps)
+        finally:
+            shutil.rmtree(train_store, ignore_errors=True)
     print(json.dumps(report, indent=2))
     shutil.rmtree(store, ignore_errors=True)
     return 0

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--io-bytes", type=_bytes_at_least(DEMO_TENSOR_BYTES, "one 64 MiB tensor"),
                       default=1 << 30, help="bytes the I/O part writes and reads back (default "
                       "1 GiB, at least 64 MiB)")
+    demo.add_argument("--train-steps", type=int, default=30,
+                      help="steps of the training part, a small GPT-2 with its state on NVMe "
+                      "(default 30; 0 leaves it out)")
 
     verify = sub.add_parser("verify", help="check every flushed tensor's checksums (offline: stop "
                             "infinityd first); exit status 1 if any is corrupted")
