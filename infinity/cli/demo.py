@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from infinity.cli.main import DEMO_TENSOR_BYTES
+from infinity.cli.sizes import DEMO_TENSOR_BYTES
 from infinity.config import InfinityConfig, MiB, load_config
 from infinity.errors import StoreDirectoryError
 from infinity.io import IOEngine, aligned_empty

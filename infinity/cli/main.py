@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from infinity.cli.sizes import DEMO_TENSOR_BYTES, TUNE_OP_BYTES
 from infinity.errors import InfinityError
 
 
@@ -27,12 +28,6 @@ def _bytes_at_least(minimum: int, why: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value} is less than {minimum} ({why})")
         return value
     return parse
-
-
-# The sizes the tune probe and the demo's I/O part move data in (their modules import torch,
-# which this parser does not wait for).
-TUNE_OP_BYTES = 64 << 20
-DEMO_TENSOR_BYTES = 64 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tomlkit
 
-from infinity.cli.main import TUNE_OP_BYTES
+from infinity.cli.sizes import TUNE_OP_BYTES
 from infinity.config import USER_CONFIG_PATH, IOConfig, MiB, find_config_path, load_config
 from infinity.errors import ConfigError, StoreDirectoryError
 from infinity.io import IOEngine, IOOp, aligned_empty

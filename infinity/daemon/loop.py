@@ -27,7 +27,7 @@ log = logging.getLogger("infinityd.loop")
 
 T = TypeVar("T")
 Pollable = Any  # a zmq.Socket or an int fd
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: see server.py
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: see infinity/daemon/dispatch.py
 
 
 class EventLoop:
@@ -37,8 +37,9 @@ class EventLoop:
     One epoll set holds plain fds and the ZMQ_FD of each ZeroMQ socket. ZMQ_FD
     only signals that the socket's state may have changed (an edge), so before
     every wait the loop asks each ZeroMQ socket whether it holds messages and
-    serves it first if so; its callback drains it (the server reads until the
-    socket says it is empty).
+    serves it first if so; its callback drains it (the dispatcher, which owns the
+    ROUTER socket in infinity/daemon/dispatch.py, reads a batch of messages, and
+    the loop comes back to the socket after looking at its other fds).
     """
 
     def __init__(self, *, num_workers: int = 1) -> None:

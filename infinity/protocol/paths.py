@@ -114,9 +114,10 @@ class RuntimeLayout:
 def child_environment() -> dict[str, str]:
     """The environment for running `python -m infinity...` as a child: it finds this same package
     (also when it runs from a source tree that is not installed)."""
-    import infinity
-
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(infinity.__file__)))
+    # The folder that holds the `infinity` package, found from this file (infinity/protocol/
+    # paths.py) rather than by importing `infinity`, whose __init__ reaches the client, which
+    # imports this module: the protocol layer imports nothing above it.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if package_root not in parts:
