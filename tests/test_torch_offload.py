@@ -236,3 +236,16 @@ def test_generate_works_unchanged_and_gives_the_same_tokens(client: Any, build: 
     got = model.generate(prompt, attention_mask=mask, max_new_tokens=7, do_sample=False)
     assert torch.equal(got, expected)
     assert client.stats()["clients"][0]["leases"] == 0
+
+
+def test_the_modules_own_zero_grad_resets_the_stored_gradients_too(client: Any) -> None:
+    reference = linear_stack()
+    model = offload(linear_stack(), client, namespace="stack")
+    model(torch.randn(4, 13)).sum().backward()
+    model.zero_grad()  # what transformers.Trainer calls, rather than the optimizer's
+    x = torch.randn(4, 13)
+    _, expected = loss_and_grads(reference, x)
+    model(x).pow(2).mean().backward()
+    got = stored_grads(model)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name

@@ -170,3 +170,33 @@ def test_a_closure_is_a_typed_error(client: Any) -> None:
 def test_parameters_that_were_not_offloaded_are_a_typed_error(client: Any) -> None:
     with pytest.raises(InvalidRequestError, match="not in the store"):
         itorch.AdamW(nn.Linear(3, 3).parameters())
+
+
+def trainer_losses(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> list[float]:
+    from transformers import Trainer, TrainingArguments
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": (ids := torch.randint(0, 100, (15,), generator=generator)),
+             "labels": ids} for _ in range(10)]
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 10)
+    # max_grad_norm=0: Trainer's clipping reads .grad, which the offloaded model's gradients
+    # have left (the optimizer's clip_grad_norm_ is the one that sees them).
+    args = TrainingArguments(output_dir=folder, max_steps=5, per_device_train_batch_size=2,
+                             max_grad_norm=0, report_to=[], save_strategy="no", logging_steps=1,
+                             use_cpu=True, disable_tqdm=True, seed=5)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      optimizers=(optimizer, schedule))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_transformers_trainer_runs_with_our_optimizer_and_torchs_losses(client: Any,
+                                                                        tmp_path: Any) -> None:
+    pytest.importorskip("accelerate")
+    reference = gpt2()
+    expected = trainer_losses(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3,
+                                                           foreach=False), str(tmp_path / "a"))
+    model = itorch.offload(gpt2(), client, namespace="trainer")
+    got = trainer_losses(model, itorch.AdamW(model.parameters(), lr=3e-3), str(tmp_path / "b"))
+    assert len(got) == 5
+    assert got == pytest.approx(expected, rel=RTOL)

@@ -389,6 +389,15 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             lambda m, a, unit=unit: state._pre_forward(unit)))
         state._handles.append(module.register_forward_hook(
             lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True))
+    # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
+    # `optimizer.zero_grad()` does: the module's own method, then the store's.
+    plain_zero_grad = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        plain_zero_grad(set_to_none)
+        state.zero_grad()
+
+    model.zero_grad = zero_grad  # type: ignore[method-assign]
     state._handles.append(model.register_forward_pre_hook(state._root_pre_forward, prepend=True))
     state._handles.append(model.register_forward_hook(state._root_post_forward, always_call=True))
     state.zero_grad()
