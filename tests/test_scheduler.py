@@ -678,6 +678,28 @@ def test_resident_and_loading_bytes_are_counted_per_namespace_until_evicted() ->
     assert {n["namespace"]: n["bytes"] for n in after["namespaces"]} == {"ns": 2 * MiB}
 
 
+def test_the_scheduler_asks_its_residency_view_and_never_changes_it() -> None:
+    # The view's owner (the daemon's tiers) changes it; the scheduler's events only note and ask.
+    view = TensorResidency()
+    view.add(k(0), MiB)
+    sched = Scheduler(SchedulerConfig(), cpu_tier_bytes=64 * MiB, residency=view)
+    view.add(k(1), 2 * MiB)
+    sched.step_begin(TRAINER, 0.0)
+    assert sched.touched(TRAINER, k(0), MiB, 0.1) is AccessKind.RESIDENT_HIT
+    assert sched.touched(TRAINER, k(2), MiB, 0.2) is AccessKind.MISS
+    sched.load_started(k(2), MiB, 0.2, prefetch=False, stream=TRAINER)
+    sched.load_finished(k(2), 0.3)
+    sched.touched(TRAINER, k(3), MiB, 0.4, write=True)
+    sched.policy.touched(k(4), MiB)
+    sched.policy.forget(k(1))
+    sched.forget(k(0))
+    sched.step_end(TRAINER, 0.5)
+    assert (view.resident, view.loading, view.sizes) == ({k(0): MiB, k(1): 2 * MiB}, {}, {})
+    assert sched.snapshot()["resident_tensors"] == 2
+    # Both are in its eviction order (the one resident before it was built too), least recent first.
+    assert sched.policy.choose_victims([k(0), k(1)], 3 * MiB) == [k(1), k(0)]
+
+
 def test_residency_view_tells_its_watcher_of_each_arrival_and_departure() -> None:
     # The next-use index keeps itself in step with residency through these calls only.
     view = TensorResidency()

@@ -62,6 +62,8 @@ class Scheduler:
         self._nextuse = NextUseIndex(self._streams, residency,
                                      is_pinned=is_pinned or (lambda key: False))
         residency.watch(added=self._nextuse.resident_added, dropped=self._resident_dropped)
+        for key in list(residency.resident):  # what arrived before it was built (the daemon: none)
+            self._nextuse.resident_added(key)
         self._steps = Steps(self.config, self._streams, self._nextuse, self._residency)
         self._meter = ReadMeter(alpha=self.config.bandwidth_ewma_alpha,
                                 initial_bytes_per_s=self.config.initial_read_bandwidth_bytes_per_s,
