@@ -292,7 +292,9 @@ class Scheduler:
         A namespace over its quota loses first (until it is back under), then
         the farthest next use, then the least recently used. When the
         candidates cannot cover `need_bytes`, all of them are returned in that
-        order and the daemon decides (TierFullError). Pinned ones never are.
+        order and the daemon decides (TierFullError). Pinned ones never are, nor
+        ones its residency view does not hold (the daemon's tiers report every
+        arrival to it; a simulation may `adopt` what it offers unannounced).
         """
         return self._eviction.choose_victims(candidates, need_bytes)
 
