@@ -526,3 +526,36 @@ def test_a_prefetched_tensor_replaced_before_it_is_read_is_no_prefetch_hit(
     assert after["prefetch_wasted_bytes"] > before["prefetch_wasted_bytes"]
     for client in (reader, writer):
         client.close()
+
+
+def test_the_scheduler_counts_the_tensors_the_cpu_tier_holds(store: PrefetchStore) -> None:
+    # The scheduler keeps no residency of its own: it asks the daemon's, which the tiers change
+    # as tensors are written, evicted, reloaded, prefetched and deleted, here and after a restart.
+    def settled(client: Any) -> dict[str, Any]:
+        holder: dict[str, Any] = {}
+
+        def quiet() -> bool:
+            holder["stats"] = client.stats()
+            return bool(holder["stats"]["scheduler"]["inflight_bytes"] == 0)
+
+        wait_until(quiet, timeout_s=10, what="the loads to land")
+        return dict(holder["stats"])
+
+    daemon = store.start()
+    client = daemon.connect("trainer")
+    write_layers(client)  # four times the tier: most are evicted
+    client.flush_store()  # the layers survive the restart
+    for _ in range(2):
+        run_step(client, list(range(NUM_LAYERS)))  # reloads, then prefetches
+    for i in range(0, NUM_LAYERS, 3):
+        client.delete(f"layer{i}")
+    stats = settled(client)
+    assert 0 < stats["scheduler"]["resident_tensors"] == stats["tiers"]["cpu"]["resident_tensors"]
+    client.close()
+    daemon.stop()
+
+    client = store.start().connect("trainer")
+    run_step(client, [i for i in range(NUM_LAYERS) if i % 3])
+    stats = settled(client)
+    assert 0 < stats["scheduler"]["resident_tensors"] == stats["tiers"]["cpu"]["resident_tensors"]
+    client.close()

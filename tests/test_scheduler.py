@@ -10,7 +10,8 @@ import pytest
 
 from infinity.daemon.policy import EvictionPolicy, LruPolicy
 from infinity.daemon.scheduler import AccessKind, Scheduler, SchedulerConfig, StreamKey, TensorKey
-from infinity.daemon.scheduler.residency import Load, Residency
+from infinity.daemon.scheduler.simulated import SimulatedScheduler
+from infinity.daemon.scheduler.view import TensorResidency
 from infinity.daemon.trace import Trace, TraceEntry
 from infinity.errors import ConfigError
 
@@ -28,8 +29,9 @@ def keys(n: int, namespace: str = "ns") -> list[TensorKey]:
 
 
 def scheduler(tier_mib: int = 64, *, pinned: Sequence[TensorKey] = (), **config: Any) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), cpu_tier_bytes=tier_mib * MiB,
-                     is_pinned=lambda key: key in pinned)
+    # The tier is simulated: each event reported changes the residency view the scheduler asks.
+    return SimulatedScheduler(SchedulerConfig(**config), cpu_tier_bytes=tier_mib * MiB,
+                              is_pinned=lambda key: key in pinned)
 
 
 def run_step(sched: Scheduler, order: Sequence[TensorKey], *, start_s: float, gap_s: float = 0.01,
@@ -592,7 +594,7 @@ def test_client_gone_mid_step_keeps_its_trace_and_stops_its_prefetch() -> None:
 ])
 def test_invalid_settings_are_config_errors(field: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=f"scheduler.{field}"):
-        Scheduler(SchedulerConfig(**{field: value}), cpu_tier_bytes=MiB)
+        Scheduler(SchedulerConfig(**{field: value}), cpu_tier_bytes=MiB, residency=TensorResidency())
 
 
 def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
@@ -657,7 +659,7 @@ def test_incremental_next_use_index_matches_a_full_recomputation() -> None:
         assert finite == sorted(finite, reverse=True)
 
 
-# --- the residency view (infinity.daemon.scheduler.residency) ------------------------------
+# --- the residency view (infinity.daemon.scheduler.view) -----------------------------------
 
 
 def test_resident_and_loading_bytes_are_counted_per_namespace_until_evicted() -> None:
@@ -676,20 +678,42 @@ def test_resident_and_loading_bytes_are_counted_per_namespace_until_evicted() ->
     assert {n["namespace"]: n["bytes"] for n in after["namespaces"]} == {"ns": 2 * MiB}
 
 
+def test_the_scheduler_asks_its_residency_view_and_never_changes_it() -> None:
+    # The view's owner (the daemon's tiers) changes it; the scheduler's events only note and ask.
+    view = TensorResidency()
+    view.add(k(0), MiB)
+    sched = Scheduler(SchedulerConfig(), cpu_tier_bytes=64 * MiB, residency=view)
+    view.add(k(1), 2 * MiB)
+    sched.step_begin(TRAINER, 0.0)
+    assert sched.touched(TRAINER, k(0), MiB, 0.1) is AccessKind.RESIDENT_HIT
+    assert sched.touched(TRAINER, k(2), MiB, 0.2) is AccessKind.MISS
+    sched.load_started(k(2), MiB, 0.2, prefetch=False, stream=TRAINER)
+    sched.load_finished(k(2), 0.3)
+    sched.touched(TRAINER, k(3), MiB, 0.4, write=True)
+    sched.policy.touched(k(4), MiB)
+    sched.policy.forget(k(1))
+    sched.forget(k(0))
+    sched.step_end(TRAINER, 0.5)
+    assert (view.resident, view.loading, view.sizes) == ({k(0): MiB, k(1): 2 * MiB}, {}, {})
+    assert sched.snapshot()["resident_tensors"] == 2
+    # Both are in its eviction order (the one resident before it was built too), least recent first.
+    assert sched.policy.choose_victims([k(0), k(1)], 3 * MiB) == [k(1), k(0)]
+
+
 def test_residency_view_tells_its_watcher_of_each_arrival_and_departure() -> None:
     # The next-use index keeps itself in step with residency through these calls only.
-    view = Residency()
+    view = TensorResidency()
     heard: list[tuple[str, TensorKey]] = []
     view.watch(added=lambda key: heard.append(("added", key)),
                dropped=lambda key: heard.append(("dropped", key)))
     view.add(k(0), MiB)
     view.make_resident(k(0), MiB)  # known at this size: nothing changes
     view.make_resident(k(0), 2 * MiB)  # a new size replaces it
-    view.start_load(k(0), Load(MiB, prefetch=False, stream=None))  # a reload replaces it too
+    view.start_load(k(0), MiB)  # a reload replaces it too
     view.make_resident(k(0), MiB)  # the load in flight will say
-    view.end_load(k(0))
+    view.end_load(k(0), arrived=False)
     view.adopt([k(1)])  # a candidate it never heard of
     view.forget(k(1))
     assert heard == [("added", k(0)), ("dropped", k(0)), ("added", k(0)), ("dropped", k(0)),
                      ("added", k(1)), ("dropped", k(1))]
-    assert (len(view), view.resident_bytes, view.inflight_bytes, view.namespace_bytes("ns")) == (0, 0, 0, 0)
+    assert (len(view), view.resident_bytes, view.loading_bytes, view.namespace_bytes("ns")) == (0, 0, 0, 0)

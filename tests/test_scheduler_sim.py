@@ -1,6 +1,8 @@
 """The scheduler driven by a simulated daemon: a simulated clock, engine, CPU tier and clients.
 
-`SimDaemon` wires the scheduler the way infinityd is meant to. Residency goes
+`SimDaemon` wires the scheduler the way infinityd is meant to, its tier simulated
+(`SimulatedScheduler`: each event reported changes the residency view the
+scheduler asks first, as the daemon's tiers do). Residency goes
 through `scheduler.policy` exactly as the tier manager drives its policy
 (`touched` on a get of a resident tensor and on a finished load, `forget` on
 an eviction, `choose_victims` with a mapping of evictable keys to bytes).
@@ -21,7 +23,8 @@ from typing import Callable
 
 import pytest
 
-from infinity.daemon.scheduler import AccessKind, Scheduler, SchedulerConfig, StreamKey, TensorKey
+from infinity.daemon.scheduler import AccessKind, SchedulerConfig, StreamKey, TensorKey
+from infinity.daemon.scheduler.simulated import SimulatedScheduler
 from infinity.daemon.trace import Trace, TraceEntry
 
 MiB = 1024 * 1024
@@ -34,7 +37,8 @@ class SimDaemon:
         self.now = 0.0
         self.tier_bytes = tier_bytes
         self.bandwidth = bandwidth_bytes_per_s
-        self.sched = Scheduler(config, cpu_tier_bytes=tier_bytes, is_pinned=lambda key: self.leases[key] > 0)
+        self.sched = SimulatedScheduler(config, cpu_tier_bytes=tier_bytes,
+                                        is_pinned=lambda key: self.leases[key] > 0)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.sizes: dict[TensorKey, int] = {}

@@ -8,8 +8,9 @@ from the shared segment) and evicted when their write-back ends. Up to
 ahead, so that later evictions find clean victims. A tensor larger than a
 segment needs whole segments emptied (`_empty_segments_for`).
 
-It also keeps the policy told of residency changes (`published`,
-`unpublished`, `touched`) and owns the write-backs (`Residency.writebacks`),
+It also keeps the policy and `Residency.tensors` (the scheduler's view) told
+of residency changes (`published`, `unpublished`, `touched`, evictions), the
+policy first, and owns the write-backs (`Residency.writebacks`),
 which flushes (`infinity.daemon.durability`) join through `write_back`.
 Loop thread only; nothing here blocks.
 """
@@ -54,6 +55,7 @@ class Eviction:
         self.arena = space.arena
         self.nvme = space.nvme
         self.residency = residency
+        self.tensors = residency.tensors
         self.counters = counters
         self.policy = policy
         self.scheduler = scheduler
@@ -72,17 +74,21 @@ class Eviction:
         if self.nvme is not None and version.cpu is not None and version.nbytes:
             resident = self.residency.resident
             replaced = resident.get(version.key)
+            tensors = self.tensors
             if replaced is not None and replaced is not version:
                 # The version it replaces leaves the tier as far as the policy goes: a prefetch
                 # of it that nobody read was wasted, and a read of the new one is no hit of it.
                 self.policy.forget(version.key)
+                tensors.drop(version.key)
             resident[version.key] = version
             self.policy.touched(version.key, version.nbytes)
+            tensors.make_resident(version.key, version.nbytes)
 
     def unpublished(self, version: Version) -> None:
         """`version` is no longer current (the catalog's hook)."""
         if self.nvme is not None and self.residency.displace(version):
             self.policy.forget(version.key)
+            self.tensors.drop(version.key)
 
     def written(self, version: Version) -> None:
         """An exclusive lease that was handed out ended: the NVMe copy is stale (the catalog's hook)."""
@@ -93,6 +99,8 @@ class Eviction:
         """A resident version was used (the policy's recency; with a scheduler, the server
         reports gets to the scheduler itself)."""
         self.policy.touched(version.key, version.nbytes)
+        if self.nvme is not None:
+            self.tensors.make_resident(version.key, version.nbytes)
 
     # --- allocation with eviction -------------------------------------------------------------
 
@@ -261,6 +269,7 @@ class Eviction:
         clear_placement(version)
         self.residency.displace(version)
         self.policy.forget(version.key)
+        self.tensors.drop(version.key)
         self.space.wake_space()
 
     # --- write-back ---------------------------------------------------------------------------

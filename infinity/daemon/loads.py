@@ -124,6 +124,7 @@ class Loads:
                   stream: tuple[str, str] | None = None) -> Load:
         load = self.residency.loads[version] = Load(version, [], prefetch=prefetch)
         if self.scheduler is not None:
+            self.residency.tensors.start_load(version.key, version.nbytes)
             self.scheduler.load_started(version.key, version.nbytes, time.monotonic(),
                                         prefetch=prefetch, stream=stream, reading=False)
         return load
@@ -188,16 +189,21 @@ class Loads:
         scheduler = self.scheduler
         if scheduler is not None:
             # Before the policy's touched() below: the scheduler must see the load end first.
+            # The view first (the tensor arrives in it, or the load just ends), then the scheduler.
+            tensors = residency.tensors
             if skipped:
+                tensors.end_load(version.key, arrived=False)
                 scheduler.load_cancelled(version.key, time.monotonic())
             else:
-                scheduler.load_finished(version.key, time.monotonic(),
-                                        ok=error is None and version.current)
+                ok = error is None and version.current
+                tensors.end_load(version.key, arrived=ok)
+                scheduler.load_finished(version.key, time.monotonic(), ok=ok)
             current = residency.resident.get(version.key)
             if current is not None and current is not version:
-                # A newer version was published while this one loaded; the scheduler could not
-                # take it as resident then (the key was loading).
+                # A newer version was published while this one loaded; the view could not take
+                # it as resident then (the key was loading).
                 policy.touched(current.key, current.nbytes)
+                tensors.make_resident(current.key, current.nbytes)
         if not skipped:
             self.space.on_change()  # a dropped prefetch changes nothing: no new plan for it
         if error is None:
@@ -209,6 +215,7 @@ class Loads:
             if version.current and self.nvme is not None:
                 residency.place(version)
                 policy.touched(version.key, version.nbytes)
+                residency.tensors.make_resident(version.key, version.nbytes)
         else:
             if load.piece is not None:
                 self.space.free(load.piece)

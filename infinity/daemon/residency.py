@@ -13,7 +13,17 @@ scheduler, the tiers and the catalog) and the others ask it:
 - `write_error`: the last write-back failed, so dirty versions may not be chosen
   as victims until NVMe space is freed or a write-back succeeds;
 - `candidates`: the versions that may be evicted now, as the live map that the
-  eviction policy and the scheduler ask (`is_pinned` is its negation by key).
+  eviction policy and the scheduler ask (`is_pinned` is its negation by key);
+- `tensors`: the same residency by tensor, as the scheduler asks it
+  (`infinity.daemon.scheduler.view.ResidencyView`): each resident tensor's
+  size, the loads in flight by tensor, byte totals overall and per namespace,
+  the last size seen of each tensor, and a watcher told of each arrival and
+  departure. The scheduler keeps none of it; it is built on this view. Kept
+  with an NVMe tier, changed by the tiers where they change `resident` and
+  `loads` (and tell the eviction policy), by the data service (a read's size,
+  a deletion) and the steps service (a client's write), each just before it
+  reports the same to the scheduler. A tensor with a load in flight arrives in
+  it when the load ends, whatever newer version was published meanwhile.
 
 It does no work itself: it never allocates, reads, writes or blocks.
 """
@@ -26,6 +36,7 @@ from typing import Callable
 
 from infinity.daemon.arena import CpuSlice
 from infinity.daemon.catalog import Key, Version
+from infinity.daemon.scheduler.view import TensorResidency
 from infinity.errors import InfinityError
 
 Callback = Callable[[InfinityError | None], None]
@@ -143,6 +154,7 @@ class Residency:
         # disk is not retried in a loop; requests get this error instead.
         self.write_error: InfinityError | None = None
         self.candidates = Candidates(self)
+        self.tensors = TensorResidency()  # by tensor, for the scheduler (with NVMe only)
 
     def is_pinned(self, key: Key) -> bool:
         """Whether the name's resident version may not be evicted now (the scheduler asks)."""

@@ -63,6 +63,7 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         if config.nvme.dirs:
             self.scheduler = Scheduler(config.scheduler, cpu_tier_bytes=config.cpu.budget_bytes,
+                                       residency=self.residency.tensors,
                                        is_pinned=self.residency.is_pinned)
         clock = version_clock()
         self.tiers = TierManager(config, self.loop, self.arena, self.residency, clock=clock,
@@ -85,7 +86,8 @@ class Daemon:
         self.traces.restore()
         self.planner = PrefetchPlanner(config.scheduler, self.loop, self.scheduler, self.catalog,
                                        self.tiers, self.arena)
-        self.steps = StepService(config.scheduler, self.scheduler, self.traces, self.planner)
+        self.steps = StepService(config.scheduler, self.scheduler, self.traces, self.planner,
+                                 tensors=self.residency.tensors)
         self.data = DataService(self.catalog, self.tiers, self.scheduler, self.steps,
                                 self.planner, self.counters, self.namespaces)
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers)

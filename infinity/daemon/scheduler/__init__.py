@@ -4,7 +4,8 @@ It owns the decisions the daemon makes about the CPU tier, and none of the
 mechanics: it never allocates, reads, writes or sleeps. The daemon's loop
 feeds it events with the time it read from its own clock (`now_s`), asks it
 what to load next (`plan_prefetch`) and what to evict (`policy`, an
-`infinity.daemon.policy.EvictionPolicy` like LruPolicy), and acts. That makes
+`infinity.daemon.policy.EvictionPolicy` like LruPolicy), and acts. It keeps no
+residency of its own: it asks the daemon's (`view.ResidencyView`). That makes
 every decision here deterministic and testable with a simulated clock.
 
 The daemon sees one object, `Scheduler` (`core`); behind it each module owns one part:
@@ -17,7 +18,11 @@ The daemon sees one object, `Scheduler` (`core`); behind it each module owns one
   scheduler reports (`AccessKind`, `StepSummary`);
 - `steps`: the streams and their steps: recording a trace
   (`infinity.daemon.trace`), replaying it, divergence, waits and stalls;
-- `residency`: what the CPU tier holds and is loading, as the daemon reports it;
+- `view`: what it asks of residency (`ResidencyView`: what the CPU tier holds
+  and is loading, by tensor) and the implementation the daemon's residency
+  owns (`TensorResidency`); the scheduler never changes it;
+- `simulated`: `SimulatedScheduler`, a scheduler with a simulated tier that
+  applies each event to its own view first, for tests and simulations;
 - `nextuse`: when each resident tensor is read next, recency, and the eviction order;
 - `eviction`: victim choice for demand and prefetch room, with namespace quotas;
 - `prefetch`: prefetch planning (lookahead budgets, fair sharing between streams);

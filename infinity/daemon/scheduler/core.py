@@ -2,7 +2,8 @@
 
 It owns the event API and the accounting that spans parts (where an access
 found its data, which client a load or write-back counts for), and nothing
-else: the streams and their steps are `steps`, residency is `residency`, the
+else: the streams and their steps are `steps`, the residency it asks is a
+`view.ResidencyView` it is built with (the daemon's, or a simulation's), the
 next-use index and eviction order `nextuse`, victim choice `eviction`,
 prefetch planning `prefetch`, the bandwidth estimate `meter` (all in
 `infinity.daemon.scheduler`). `NextUsePolicy` presents it to the tier
@@ -18,9 +19,9 @@ from infinity.daemon.scheduler.eviction import Eviction
 from infinity.daemon.scheduler.meter import ReadMeter
 from infinity.daemon.scheduler.nextuse import NextUseIndex
 from infinity.daemon.scheduler.prefetch import PrefetchPlanner
-from infinity.daemon.scheduler.residency import Load, Residency
 from infinity.daemon.scheduler.steps import Steps
-from infinity.daemon.scheduler.stream import AccessKind, StepSummary, Stream, StreamState
+from infinity.daemon.scheduler.stream import AccessKind, LoadNote, StepSummary, Stream, StreamState
+from infinity.daemon.scheduler.view import ResidencyView
 from infinity.daemon.trace import StreamKey, TensorKey, Trace
 from infinity.errors import ConfigError
 
@@ -30,7 +31,11 @@ __all__ = ["NextUsePolicy", "Scheduler"]
 class Scheduler:
     """Trace-driven prefetch and eviction for the daemon's CPU tier (see the package docstring).
 
-    `cpu_tier_bytes`: the tier's size. `is_pinned(key)`: the daemon's answer to
+    `cpu_tier_bytes`: the tier's size. `residency`: what the tier holds and is
+    loading, by tensor (`view.ResidencyView`): the scheduler asks it and watches
+    its arrivals and departures, and never changes it; whoever owns it changes
+    it before reporting the same change here (a load started or ended, a tensor
+    written or gone). `is_pinned(key)`: the daemon's answer to
     "is this tensor leased (or otherwise not evictable) now?"; it is called while
     planning and choosing victims, never stored.
 
@@ -41,6 +46,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, cpu_tier_bytes: int,
+                 residency: ResidencyView,
                  is_pinned: Callable[[TensorKey], bool] | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.config.validate()
@@ -48,9 +54,16 @@ class Scheduler:
             raise ConfigError("the scheduler needs the CPU tier's size in bytes (positive)")
         self.cpu_tier_bytes = cpu_tier_bytes
         self._streams: dict[StreamKey, Stream] = {}
-        self._residency = Residency()
-        self._nextuse = NextUseIndex(self._streams, self._residency,
+        self._residency = residency
+        # Not residency, the scheduler's own notes: per load in flight, what it is for; which
+        # resident tensors a prefetch brought in and nobody used since -> the stream it was for.
+        self._loads: dict[TensorKey, LoadNote] = {}
+        self._prefetched: dict[TensorKey, StreamKey | None] = {}
+        self._nextuse = NextUseIndex(self._streams, residency,
                                      is_pinned=is_pinned or (lambda key: False))
+        residency.watch(added=self._nextuse.resident_added, dropped=self._resident_dropped)
+        for key in list(residency.resident):  # what arrived before it was built (the daemon: none)
+            self._nextuse.resident_added(key)
         self._steps = Steps(self.config, self._streams, self._nextuse, self._residency)
         self._meter = ReadMeter(alpha=self.config.bandwidth_ewma_alpha,
                                 initial_bytes_per_s=self.config.initial_read_bandwidth_bytes_per_s,
@@ -59,7 +72,8 @@ class Scheduler:
         self._eviction = Eviction(self.config, self._residency, self._nextuse)
         self._planner = PrefetchPlanner(self.config, cpu_tier_bytes=cpu_tier_bytes,
                                         streams=self._streams, residency=self._residency,
-                                        nextuse=self._nextuse, meter=self._meter)
+                                        loads=self._loads, nextuse=self._nextuse,
+                                        meter=self._meter)
         self._last_writer: dict[TensorKey, StreamKey] = {}
         self.policy = NextUsePolicy(self)
 
@@ -110,7 +124,9 @@ class Scheduler:
         """A client read (get) or wrote (commit, `write=True`) a tensor. Returns where it was.
 
         Call it when the request arrives, before starting a demand load, so a
-        miss is classified as one. A write makes the tensor resident.
+        miss is classified as one. A write makes the tensor resident: its owner
+        says so in the residency view first (`make_resident`), as a read's size
+        goes in the view's `sizes` first.
         """
         s = self._steps.stream(stream)
         gap_s = 0.0
@@ -118,8 +134,6 @@ class Scheduler:
             gap_s = max(0.0, now_s - s.last_access_s - s.stall_in_gap_s)
         s.last_access_s = now_s
         s.stall_in_gap_s = 0.0
-        residency = self._residency
-        residency.sizes[key] = nbytes
         self._nextuse.used(key)
 
         if write:
@@ -127,18 +141,17 @@ class Scheduler:
             s.add("writes")
             s.add("bytes_put", nbytes)
             self._last_writer[key] = stream
-            residency.make_resident(key, nbytes)
         else:
             s.add("accesses")
             s.add("bytes_got", nbytes)
-            load = residency.inflight.get(key)
+            load = self._loads.get(key)
             if load is not None:
                 kind = AccessKind.INFLIGHT_HIT if load.prefetch else AccessKind.MISS
                 load.used = True
-            elif key in residency.resident:
-                if key in residency.prefetched:
+            elif key in self._residency.resident:
+                if key in self._prefetched:
                     kind = AccessKind.PREFETCH_HIT
-                    del residency.prefetched[key]
+                    del self._prefetched[key]
                 else:
                     kind = AccessKind.RESIDENT_HIT
             else:
@@ -174,12 +187,14 @@ class Scheduler:
         the plan); otherwise it is a demand load for `stream`'s miss.
         `reading=False`: the read itself is not submitted yet (the load waits for
         space first); `read_started` says when it is, so that waiting for space
-        does not count as disk time in the bandwidth estimate.
+        does not count as disk time in the bandwidth estimate. The residency view
+        has the load already (`start_load`); a second load of a tensor in flight
+        is not reported (the first stands for both).
         """
-        if key in self._residency.inflight:
+        if key in self._loads:
             return
         stream = self._planner.load_started(key, nbytes, prefetch=prefetch, stream=stream)
-        self._residency.start_load(key, Load(nbytes, prefetch, stream, reading=reading))
+        self._loads[key] = LoadNote(nbytes, prefetch, stream, reading=reading)
         if reading:
             self._meter.started(now_s)
         s = self._streams.get(stream) if stream is not None else None
@@ -188,24 +203,26 @@ class Scheduler:
             s.add("prefetch_bytes", nbytes)
 
     def load_finished(self, key: TensorKey, now_s: float, *, ok: bool = True) -> None:
-        """The read of `key` completed (`ok=False`: it failed; the tensor is not resident)."""
-        load = self._residency.end_load(key)
+        """The read of `key` completed (`ok=False`: it failed; the tensor is not resident).
+
+        The residency view has it resident already (`end_load(arrived=ok)`).
+        """
+        load = self._loads.pop(key, None)
         if load is None:
             return
         if load.reading:
             self._meter.finished(load.nbytes if ok else 0, now_s)
         if not ok:
             return
-        unused_prefetch = load.prefetch and not load.used
-        self._residency.add(key, load.nbytes, prefetched=unused_prefetch,
-                            prefetched_for=load.stream if unused_prefetch else None)
+        if load.prefetch and not load.used:
+            self._prefetched[key] = load.stream
         s = self._streams.get(load.stream) if load.stream is not None else None
         if s is not None:
             s.add("disk_read_bytes", load.nbytes)
 
     def read_started(self, key: TensorKey, now_s: float) -> None:
         """The read of a load started with `reading=False` was submitted to the engine."""
-        load = self._residency.inflight.get(key)
+        load = self._loads.get(key)
         if load is not None and not load.reading:
             load.reading = True
             self._meter.started(now_s)
@@ -213,7 +230,7 @@ class Scheduler:
     def load_cancelled(self, key: TensorKey, now_s: float) -> None:
         """A load reported by `load_started` was dropped before it read anything (a prefetch
         that found no room): as if it had not started."""
-        load = self._residency.end_load(key)
+        load = self._loads.pop(key, None)
         if load is None:
             return
         if load.reading:
@@ -226,17 +243,22 @@ class Scheduler:
                 s.add("prefetch_bytes", -load.nbytes)
 
     def evicted(self, key: TensorKey, now_s: float) -> None:
-        """`key` left the tier (evicted, replaced or deleted). `policy.forget` does the same."""
+        """`key` is leaving the tier (evicted, replaced or deleted); the residency view drops it
+        right after. `policy.forget` does the same."""
         self._left_tier(key)
 
     def _left_tier(self, key: TensorKey) -> None:
-        residency = self._residency
-        prefetched_for = residency.prefetched.get(key)
+        # Still resident in the view: a prefetch nobody read was wasted, at its size.
+        prefetched_for = self._prefetched.get(key)
         if prefetched_for is not None:
             s = self._streams.get(prefetched_for)
             if s is not None:
-                s.add("prefetch_wasted_bytes", residency.resident[key])
-        residency.drop(key)
+                s.add("prefetch_wasted_bytes", self._residency.resident[key])
+
+    def _resident_dropped(self, key: TensorKey) -> None:
+        # The view's departure: a prefetch mark goes with the tensor, then the index hears.
+        self._prefetched.pop(key, None)
+        self._nextuse.resident_dropped(key)
 
     def written_back(self, key: TensorKey, nbytes: int, now_s: float) -> None:
         """The daemon wrote `key` to NVMe (eviction write-back or flush): counted for its last writer."""
@@ -246,19 +268,17 @@ class Scheduler:
             s.add("disk_write_bytes", nbytes)
 
     def forget(self, key: TensorKey) -> None:
-        """`key` was deleted: forget its residency, size and recency.
+        """`key` was deleted: forget its recency (the residency view forgot it first).
 
         A load in flight for it stays until `load_finished` reports it.
         """
-        self._residency.forget(key)
         self._nextuse.forget(key)
         self._last_writer.pop(key, None)
 
     def _policy_touched(self, key: TensorKey, nbytes: int) -> None:
-        # The tier manager's word: resident and just used (a get, a commit or a finished load).
-        self._residency.sizes[key] = nbytes
+        # The tier manager's word: resident and just used (a get, a commit or a finished load);
+        # the view hears it right after (`make_resident`).
         self._nextuse.used(key)
-        self._residency.make_resident(key, nbytes)
 
     # --- eviction ----------------------------------------------------------------------
 
@@ -272,7 +292,9 @@ class Scheduler:
         A namespace over its quota loses first (until it is back under), then
         the farthest next use, then the least recently used. When the
         candidates cannot cover `need_bytes`, all of them are returned in that
-        order and the daemon decides (TierFullError). Pinned ones never are.
+        order and the daemon decides (TierFullError). Pinned ones never are, nor
+        ones its residency view does not hold (the daemon's tiers report every
+        arrival to it; a simulation may `adopt` what it offers unannounced).
         """
         return self._eviction.choose_victims(candidates, need_bytes)
 
@@ -339,7 +361,7 @@ class Scheduler:
         """Plain dicts and lists for `stats` and the monitor."""
         budgets = self._planner.budgets()
         residency = self._residency
-        prefetch_inflight = sum(load.nbytes for load in residency.inflight.values() if load.prefetch)
+        prefetch_inflight = sum(load.nbytes for load in self._loads.values() if load.prefetch)
         clients = []
         for key in sorted(self._streams):
             s = self._streams[key]
@@ -362,8 +384,8 @@ class Scheduler:
             "bandwidth_samples": self._meter.samples,
             "cpu_tier_bytes": self.cpu_tier_bytes,
             "resident_bytes": residency.resident_bytes,
-            "resident_tensors": len(residency),
-            "inflight_bytes": residency.inflight_bytes,
+            "resident_tensors": len(residency.resident),
+            "inflight_bytes": residency.loading_bytes,
             "prefetch_inflight_bytes": prefetch_inflight,
             "namespaces": [{"namespace": n, "bytes": totals.get(n, 0),
                             "quota_bytes": self.config.quota_bytes(n)} for n in namespaces],

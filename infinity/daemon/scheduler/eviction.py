@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 
 from infinity.config import SchedulerConfig
 from infinity.daemon.scheduler.nextuse import NextUseIndex
-from infinity.daemon.scheduler.residency import Residency
+from infinity.daemon.scheduler.view import ResidencyView
 from infinity.daemon.trace import TensorKey
 
 __all__ = ["Eviction", "VictimPool", "later"]
@@ -103,7 +103,7 @@ class Eviction:
     the residency view knows.
     """
 
-    def __init__(self, config: SchedulerConfig, residency: Residency, nextuse: NextUseIndex) -> None:
+    def __init__(self, config: SchedulerConfig, residency: ResidencyView, nextuse: NextUseIndex) -> None:
         self._config = config
         self._residency = residency
         self._nextuse = nextuse
@@ -124,12 +124,7 @@ class Eviction:
         candidates cannot cover `need_bytes`, all of them are returned in that
         order and the daemon decides (TierFullError). Pinned ones never are.
         """
-        allowed = _as_set(candidates)
-        chosen, got = self._choose(allowed, need_bytes)
-        # Only when the known tensors did not suffice: learning walks every candidate.
-        if got < need_bytes and self._residency.adopt(allowed):
-            chosen, got = self._choose(allowed, need_bytes)  # candidates it had never heard of
-        return chosen
+        return self._choose(_as_set(candidates), need_bytes)
 
     def _allowed_order(self, allowed: Candidates) -> Iterator[tuple[float, TensorKey, int]]:
         """The eviction order restricted to the candidates, with the bytes each frees."""
@@ -138,7 +133,7 @@ class Eviction:
             if key in allowed:
                 yield next_use_s, key, (int(freed[key]) if freed is not None else nbytes)
 
-    def _choose(self, allowed: Candidates, need_bytes: int) -> tuple[list[TensorKey], int]:
+    def _choose(self, allowed: Candidates, need_bytes: int) -> list[TensorKey]:
         chosen: list[TensorKey] = []
         picked: set[TensorKey] = set()
         got = 0
@@ -160,7 +155,7 @@ class Eviction:
                 if key not in picked:
                     chosen.append(key)
                     got += nbytes
-        return chosen, got
+        return chosen
 
     def victims_for_prefetch(self, key: TensorKey, candidates: Iterable[TensorKey],
                              need_bytes: int, *, nbytes: int | None = None
@@ -171,11 +166,7 @@ class Eviction:
         must also fit its namespace's quota. `nbytes`: the tensor's size, where
         the caller knows it (the scheduler may not have seen the tensor yet: a restart).
         """
-        allowed = _as_set(candidates)
-        victims = self._prefetch_victims(key, allowed, need_bytes, nbytes)
-        if victims is None and self._residency.adopt(allowed):
-            victims = self._prefetch_victims(key, allowed, need_bytes, nbytes)
-        return victims
+        return self._prefetch_victims(key, _as_set(candidates), need_bytes, nbytes)
 
     def _prefetch_victims(self, key: TensorKey, allowed: Candidates,
                           need_bytes: int, nbytes: int | None) -> list[TensorKey] | None:
@@ -185,7 +176,7 @@ class Eviction:
         if quota is not None:
             residency = self._residency
             # A load under way counts in its namespace already (load_started): not twice.
-            own = 0 if key in residency.inflight else (
+            own = 0 if key in residency.loading else (
                 nbytes if nbytes is not None else residency.sizes.get(key, 0))
             excess = residency.namespace_bytes(key[0]) + own - quota
             # In tensor bytes, as the namespace counts them: the candidates' values are the CPU

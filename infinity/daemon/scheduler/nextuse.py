@@ -23,8 +23,8 @@ import heapq
 from collections.abc import Mapping
 from typing import Callable, Iterator, TypeVar
 
-from infinity.daemon.scheduler.residency import Residency
 from infinity.daemon.scheduler.stream import Stream, StreamState
+from infinity.daemon.scheduler.view import ResidencyView
 from infinity.daemon.trace import INFINITE_S, StreamKey, TensorKey
 
 __all__ = ["NextUseIndex", "heap_in_order"]
@@ -62,7 +62,7 @@ class NextUseIndex:
     it pulls, plus a sort of the tensors no trace needs.
     """
 
-    def __init__(self, streams: Mapping[StreamKey, Stream], residency: Residency, *,
+    def __init__(self, streams: Mapping[StreamKey, Stream], residency: ResidencyView, *,
                  is_pinned: Callable[[TensorKey], bool]) -> None:
         self._streams = streams
         self._residency = residency
@@ -76,7 +76,6 @@ class NextUseIndex:
         self._lru_heap: list[tuple[int, TensorKey]] = []
         self._recency: dict[TensorKey, int] = {}  # higher: used more recently
         self._use_seq = 0
-        residency.watch(added=self._resident_added, dropped=self._resident_dropped)
 
     # --- recency ---------------------------------------------------------------------
 
@@ -110,15 +109,15 @@ class NextUseIndex:
         recency, key = entry
         return key in self._infinite and self._recency.get(key, 0) == recency
 
-    # --- residency changes (the view's watcher) ----------------------------------------
+    # --- residency changes (the scheduler passes on the view's arrivals and departures) ------
 
-    def _resident_added(self, key: TensorKey) -> None:
+    def resident_added(self, key: TensorKey) -> None:
         self._mark_infinite(key)  # until an index says a trace reads it
         for s in self._streams.values():
             if s.indexed and s.trace is not None and key in s.trace:
                 self.index_key(s, key)
 
-    def _resident_dropped(self, key: TensorKey) -> None:
+    def resident_dropped(self, key: TensorKey) -> None:
         self._infinite.discard(key)
         for s in self._streams.values():
             if s.indexed:

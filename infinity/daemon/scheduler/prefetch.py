@@ -32,8 +32,8 @@ from infinity.config import SchedulerConfig
 from infinity.daemon.scheduler.eviction import VictimPool
 from infinity.daemon.scheduler.meter import ReadMeter
 from infinity.daemon.scheduler.nextuse import NextUseIndex
-from infinity.daemon.scheduler.residency import Residency
-from infinity.daemon.scheduler.stream import Stream, StreamState
+from infinity.daemon.scheduler.stream import LoadNote, Stream, StreamState
+from infinity.daemon.scheduler.view import ResidencyView
 from infinity.daemon.trace import StreamKey, TensorKey, Trace
 
 __all__ = ["PrefetchPlanner"]
@@ -51,12 +51,14 @@ class PrefetchPlanner:
     """Plans prefetches over all streams; hears of the loads it is owed (`load_started`)."""
 
     def __init__(self, config: SchedulerConfig, *, cpu_tier_bytes: int,
-                 streams: Mapping[StreamKey, Stream], residency: Residency,
-                 nextuse: NextUseIndex, meter: ReadMeter) -> None:
+                 streams: Mapping[StreamKey, Stream], residency: ResidencyView,
+                 loads: Mapping[TensorKey, LoadNote], nextuse: NextUseIndex,
+                 meter: ReadMeter) -> None:
         self._config = config
         self._cpu_tier_bytes = cpu_tier_bytes
         self._streams = streams
         self._residency = residency
+        self._loads = loads  # the scheduler's notes of the loads in flight
         self._nextuse = nextuse
         self._meter = meter
         self._planned: dict[TensorKey, StreamKey] = {}  # the last plan, for load_started's attribution
@@ -182,7 +184,7 @@ class PrefetchPlanner:
         n = len(entries)
         cap = self._window_cap_bytes(n_streams)
         residency = self._residency
-        sizes, resident, inflight = residency.sizes, residency.resident, residency.inflight  # hot loop
+        sizes, resident, inflight = residency.sizes, residency.resident, residency.loading  # hot loop
         steps = min(n if self._config.prefetch_across_steps else n - cursor,
                     self._config.lookahead_max_entries)
         seen: set[TensorKey] = set()
@@ -237,7 +239,7 @@ class PrefetchPlanner:
         stream_inflight: dict[StreamKey, int] = {}  # prefetch bytes in flight per stream
         total_inflight = 0
         loading: set[StreamKey] = set()  # streams with any load in flight (demand or prefetch)
-        for load in residency.inflight.values():
+        for load in self._loads.values():
             if load.stream is not None and load.stream in self._streams:
                 loading.add(load.stream)
             if load.prefetch:
@@ -261,7 +263,7 @@ class PrefetchPlanner:
                 self._served[key] = max(self._served.get(key, 0), min(others) - quantum_bytes)
         self._fair_before = frozenset(fair)
 
-        free = (self._cpu_tier_bytes - residency.resident_bytes - residency.inflight_bytes
+        free = (self._cpu_tier_bytes - residency.resident_bytes - residency.loading_bytes
                 if free_bytes is None else free_bytes)
         namespace_used = residency.namespace_totals()
         pool: VictimPool | None = None
@@ -281,13 +283,13 @@ class PrefetchPlanner:
         def try_plan(c: _Candidate) -> str:
             """"planned" | "skip" (already handled) | "wait_turn" | "stop_stream" | "stop_all"."""
             nonlocal free, planned_bytes
-            if c.key in self._planned or c.key in residency.resident or c.key in residency.inflight:
+            if c.key in self._planned or c.key in residency.resident or c.key in residency.loading:
                 return "skip"  # another stream's plan took it: shared read-only data
             # Fair queueing over bytes loaded (demand and prefetch): a stream may lead the least
             # served competing stream by at most one quantum, unless the engine would idle.
             behind = [served(k) for k in fair if k != c.stream]
             if (behind and served(c.stream) - min(behind) >= quantum_bytes
-                    and residency.inflight_bytes + planned_bytes > 0):
+                    and residency.loading_bytes + planned_bytes > 0):
                 return "wait_turn"
             out_total = total_inflight + planned_bytes
             if out_total > 0 and out_total + c.nbytes > config.prefetch_inflight_max_bytes:

@@ -22,7 +22,7 @@ from typing import Any
 
 from infinity.config import SchedulerConfig
 from infinity.daemon.scheduler.nextuse import NextUseIndex
-from infinity.daemon.scheduler.residency import Residency
+from infinity.daemon.scheduler.view import ResidencyView
 from infinity.daemon.scheduler.stream import Counters, StepSummary, Stream, StreamState
 from infinity.daemon.trace import Match, Recorder, Replay, StreamKey, TensorKey, Trace
 
@@ -37,7 +37,7 @@ class Steps:
     """
 
     def __init__(self, config: SchedulerConfig, streams: dict[StreamKey, Stream],
-                 nextuse: NextUseIndex, residency: Residency) -> None:
+                 nextuse: NextUseIndex, residency: ResidencyView) -> None:
         self._config = config
         self.streams = streams
         self._nextuse = nextuse

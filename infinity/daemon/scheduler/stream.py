@@ -2,7 +2,8 @@
 
 A stream is one (namespace, client name): the client's step trace, where a
 replaying step is in it, what a recording step has seen, its wait and stall
-bookkeeping and its counters. This module holds the records only: the step
+bookkeeping and its counters; and per load in flight, what the scheduler
+notes of it (`LoadNote`). This module holds the records only: the step
 lifecycle that changes them is `infinity.daemon.scheduler.steps`, the
 scheduler's access and load accounting adds to the counters
 (`infinity.daemon.scheduler.core`), and the next-use index keeps its
@@ -18,7 +19,18 @@ from typing import Any
 
 from infinity.daemon.trace import Recorder, Replay, StreamKey, TensorKey, Trace
 
-__all__ = ["AccessKind", "Counters", "StepSummary", "Stream", "StreamState"]
+__all__ = ["AccessKind", "Counters", "LoadNote", "StepSummary", "Stream", "StreamState"]
+
+
+@dataclass(slots=True)
+class LoadNote:
+    """What the scheduler notes of a load in flight (the load itself is residency's)."""
+
+    nbytes: int
+    prefetch: bool
+    stream: StreamKey | None
+    used: bool = False  # accessed while in flight (an in-flight hit): not a prefetch hit later
+    reading: bool = True  # its read was submitted (the bandwidth meter counts its time)
 
 
 class AccessKind(str, Enum):

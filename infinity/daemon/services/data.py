@@ -78,6 +78,8 @@ class DataService:
         self.namespaces = namespaces
         self.tiers = tiers
         self.scheduler = scheduler
+        # The residency the scheduler asks: a read's size and a deletion go there first.
+        self.tensors = tiers.residency.tensors
         self.steps = steps
         self.planner = planner
         self.counters = counters
@@ -118,6 +120,7 @@ class DataService:
         stream: StreamKey | None = None
         now = 0.0
         plan_now = failed = False
+        sizes = self.tensors.sizes  # the last size seen of each read, for the scheduler
         if scheduler is not None:
             now = time.monotonic()
         for outcome in outcomes:
@@ -125,6 +128,7 @@ class DataService:
                 if scheduler is not None:
                     # Before any load starts, so that a miss counts as one.
                     stream = self.steps.stream_of(session, outcome.key[0])
+                    sizes[outcome.key] = outcome.nbytes
                     kind = scheduler.touched(stream, outcome.key, outcome.nbytes, now)
                     plan_now = plan_now or kind is not AccessKind.RESIDENT_HIT
                 if outcome.cpu is None and outcome.nbytes and not track:
@@ -374,6 +378,7 @@ class DataService:
                 results.append(self.counters.item_error(session, exc))
                 continue
             if self.scheduler is not None:
+                self.tensors.forget(version.key)
                 self.scheduler.forget(version.key)
             results.append(None)
             # A flushed tensor leaves the index too; the reply waits for that commit.

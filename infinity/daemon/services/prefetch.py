@@ -68,6 +68,7 @@ class PrefetchPlanner:
             try:
                 version = self.catalog.current(key[0], key[1])
             except InfinityError:
-                scheduler.forget(key)  # deleted since the trace saw it
+                self.tiers.residency.tensors.forget(key)  # deleted since the trace saw it
+                scheduler.forget(key)
                 continue
             self.tiers.prefetch(version)

@@ -20,6 +20,7 @@ from typing import Any
 from infinity.config import SchedulerConfig
 from infinity.daemon.catalog import Version
 from infinity.daemon.scheduler import Scheduler, StreamKey
+from infinity.daemon.scheduler.view import TensorResidency
 from infinity.daemon.services.base import Routes
 from infinity.daemon.services.prefetch import PrefetchPlanner
 from infinity.daemon.services.traces import TraceKeeper
@@ -31,9 +32,10 @@ class StepService:
     """The `step` and `upcoming` requests, and each session's scheduler streams."""
 
     def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None, traces: TraceKeeper,
-                 planner: PrefetchPlanner) -> None:
+                 planner: PrefetchPlanner, *, tensors: TensorResidency) -> None:
         self.config = config
         self.scheduler = scheduler
+        self.tensors = tensors  # the residency the scheduler asks: a write makes a tensor resident
         self.traces = traces
         self.planner = planner
         self._owners: dict[StreamKey, int] = {}  # stream -> the live session that holds it
@@ -71,6 +73,7 @@ class StepService:
         """The session published `version`: a write access of its stream."""
         if self.scheduler is not None:
             stream = self.stream_of(session, version.key[0])
+            self.tensors.make_resident(version.key, version.nbytes)
             self.scheduler.touched(stream, version.key, version.nbytes, time.monotonic(), write=True)
             self.planner.due = True
 
