@@ -1,5 +1,5 @@
 // The task pool: a fixed set of native threads that runs compute beside the
-// data (copies, checksums, fills; next the optimizer kernels) without the GIL,
+// data (copies, checksums, fills, Adam steps) without the GIL,
 // and reports each finished task through an eventfd, as the I/O engine
 // reports batches, so the daemon's loop polls both the same way. No Python here.
 #pragma once

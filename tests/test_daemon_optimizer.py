@@ -69,6 +69,8 @@ def test_a_step_updates_the_parameter_and_both_moments_in_the_store(client: Any)
     assert torch.equal(read(client, "w"), state["param"])
     assert torch.equal(read(client, "w.exp_avg"), state["exp_avg"])
     assert torch.equal(read(client, "w.exp_avg_sq"), state["exp_avg_sq"])
+    stepped = client.stats()["optimizer"]
+    assert stepped["items_stepped"] == 3 and stepped["parameters_stepped"] == 3 * 3001
 
 
 def test_a_bfloat16_parameter_is_written_from_its_float32_master_in_the_same_pass(

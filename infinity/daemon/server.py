@@ -108,7 +108,8 @@ class Daemon:
         self.admin = AdminService(config, layout, arena=self.arena, catalog=self.catalog,
                                   tiers=self.tiers, scheduler=self.scheduler,
                                   sessions=self.sessions, fds=self.session_service.fds,
-                                  streams=self.streams, counters=self.counters, stop=self.stop)
+                                  streams=self.streams, counters=self.counters, stop=self.stop,
+                                  optimizer_stats=self.optimizer.stats)
 
         # --- the dispatcher: every op to its service's handler ---
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,

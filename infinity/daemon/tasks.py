@@ -1,6 +1,6 @@
 """The daemon's task pool on its event loop: compute beside the data, completed on the loop thread.
 
-`infinity.io.TaskPool` runs copies, checksums and fills (next: optimizer steps) on native
+`infinity.io.TaskPool` runs copies, checksums, fills and Adam steps on native
 threads. Here its completion eventfd is watched by the daemon's `EventLoop`, which polls the
 pool when the fd fires, so every task future's callbacks (and the jobs of
 `infinity.daemon.jobs` waiting on them) run on the loop thread, just as the I/O engine's

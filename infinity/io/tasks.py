@@ -1,6 +1,6 @@
 """`TaskPool`: compute beside the data on native threads, with futures.
 
-The native pool (native/task_pool.*) runs copies, per-block CRC32C and fills
+The native pool (native/task_pool.*) runs copies, per-block CRC32C, fills and Adam steps
 on a fixed set of threads without the GIL, each task split into chunks across
 them and reported once, when its last chunk is done, through an eventfd: the
 same shape as the I/O engine, so the daemon's loop watches `completion_fd`

@@ -15,12 +15,13 @@ session ends.
 - `streams`: stream_open, stream_chunk, stream_close (on `infinity.daemon.streams`)
 - `steps`: step, upcoming, each session's scheduler streams; with `traces` (traces kept
   in the index) and `prefetch` (the plans that follow news)
+- `namespaces`: namespace (create, info, seal a namespace record)
+- `optimizer`: adam_step (Adam / AdamW run beside the data, on the native task pool)
 - `admin`: stats, shutdown
 
-Next, each in a module of its own here, built and registered in `Daemon.__init__`
-beside the others (the tuple of services it registers): the optimizer service
-(training: optimizer steps run beside the data, on the native task pool) and the
-model-import service (inference: loading a model's weights into a read-only
-namespace). Work a service does for itself, not for a client, holds what it holds
-in the catalog as `sessions.DAEMON_CLIENT_ID`.
+Next, in a module of its own here, built and registered in `Daemon.__init__` beside
+the others (the tuple of services it registers): the model-import service
+(inference: loading a model's weights into a read-only namespace). Work a service
+does for itself, not for a client, holds what it holds in the catalog as
+`sessions.DAEMON_CLIENT_ID`.
 """

@@ -34,12 +34,14 @@ class AdminService:
     def __init__(self, config: InfinityConfig, layout: RuntimeLayout, *, arena: CpuArena,
                  catalog: Catalog, tiers: TierManager, scheduler: Scheduler | None,
                  sessions: Sessions, fds: FdServer, streams: StreamTable,
-                 counters: DaemonCounters, stop: Callable[[], None]) -> None:
+                 counters: DaemonCounters, stop: Callable[[], None],
+                 optimizer_stats: Callable[[], dict[str, Any]] = dict) -> None:
         self.config = config
         self.layout = layout
         self.arena = arena
         self.catalog = catalog
         self.tiers = tiers
+        self.optimizer_stats = optimizer_stats
         self.scheduler = scheduler
         self.sessions = sessions
         self.fds = fds
@@ -97,6 +99,7 @@ class AdminService:
             "catalog": self.catalog.stats(),
             "clients": clients,
             "scheduler": self.scheduler.snapshot() if self.scheduler is not None else None,
+            "optimizer": self.optimizer_stats(),
             "counters": {
                 "requests": counters.requests, "items": counters.items,
                 "malformed": counters.malformed, "ops": dict(counters.ops),
