@@ -366,15 +366,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void bound_avx512(const Ada
     const __m512 g = load_grad16(b.grad, b.grad_type, i);
     const __m512 p = _mm512_add_ps(_mm512_loadu_ps(b.param + i), g);
     _mm512_storeu_ps(b.param + i, p);
-    _mm512_storeu_ps(b.exp_avg + i, _mm512_loadu_ps(b.exp_avg + i));
-    _mm512_storeu_ps(b.exp_avg_sq + i, _mm512_loadu_ps(b.exp_avg_sq + i));
+    // m + 0 * g: the value read (for a finite gradient), stored by an arithmetic result the
+    // compiler cannot prove equal to what it loaded, so the store is not dropped.
+    const __m512 none = _mm512_mul_ps(g, _mm512_setzero_ps());
+    _mm512_storeu_ps(b.exp_avg + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg + i), none));
+    _mm512_storeu_ps(b.exp_avg_sq + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg_sq + i), none));
     if (b.low != nullptr) store_low16(b.low, b.low_type, i, p);
   }
   for (; i < end; ++i) {
     const float g = load_grad(b.grad, b.grad_type, i);
     b.param[i] += g;
-    b.exp_avg[i] = *static_cast<volatile float*>(b.exp_avg + i);
-    b.exp_avg_sq[i] = *static_cast<volatile float*>(b.exp_avg_sq + i);
+    b.exp_avg[i] += 0.0f * g;
+    b.exp_avg_sq[i] += 0.0f * g;
     if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
   }
 }
@@ -383,8 +386,8 @@ void bound_scalar(const AdamBuffers& b, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
     const float g = load_grad(b.grad, b.grad_type, i);
     b.param[i] += g;
-    b.exp_avg[i] = *static_cast<volatile float*>(b.exp_avg + i);
-    b.exp_avg_sq[i] = *static_cast<volatile float*>(b.exp_avg_sq + i);
+    b.exp_avg[i] += 0.0f * g;
+    b.exp_avg_sq[i] += 0.0f * g;
     if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
   }
 }
