@@ -16,6 +16,7 @@ from torch import nn
 
 from infinity.errors import InvalidRequestError
 from infinity.torch.offload import offload, offload_state
+from tiny_models import gpt2, llama
 
 
 def linear_stack(seed: int = 3) -> nn.Sequential:
@@ -188,23 +189,6 @@ def test_a_plain_module_is_not_offloaded(client: Any) -> None:
 
 
 # --- Hugging Face transformers models, built from a config with seeded weights ---------------
-
-def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(11)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101,
-                                      n_positions=64, eos_token_id=100, bos_token_id=100))
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(13)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=103, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=102, bos_token_id=101, pad_token_id=0))
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])

@@ -17,27 +17,10 @@ import torch
 from torch import nn
 
 import infinity.torch as itorch
+from tiny_models import gpt2, llama
 from infinity.errors import InvalidRequestError
 
 RTOL = 1e-5
-
-
-def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(11)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101,
-                                      n_positions=64, eos_token_id=100, bos_token_id=100))
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(13)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=103, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=102, bos_token_id=101, pad_token_id=0))
 
 
 def batches(count: int) -> list[torch.Tensor]:
