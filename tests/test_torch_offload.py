@@ -233,3 +233,13 @@ def test_the_modules_own_zero_grad_resets_the_stored_gradients_too(client: Any) 
     got = stored_grads(model)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_parameter_replaced_after_offload_is_a_typed_error_not_silently_used(
+        client: Any) -> None:
+    model = offload(linear_stack(), client, namespace="stack")
+    model[0].weight = nn.Parameter(torch.zeros(37, 13))
+    with pytest.raises(InvalidRequestError, match="replaced after offload"):
+        model(torch.randn(2, 13))
+    assert client.stats()["clients"][0]["leases"] == 0  # nothing left held
+    assert all(unit.depth == 0 for unit in offload_state(model).units)

@@ -101,6 +101,10 @@ class _Unit:
         self.name = name
         self.entries = entries
         self.names = [entry.name for entry in entries]
+        # The module's own parameter slots as offload found them: a parameter replaced later
+        # (module.weight = nn.Parameter(...)) would compute with values the store never saw.
+        self.slots = [(slot, param) for slot, param in module._parameters.items()
+                      if param is not None]
         self.lease: Any = None
         self.depth = 0              # forward calls in progress (a module may be called twice)
         self.in_backward = False
@@ -189,10 +193,19 @@ class OffloadState:
             hooks.__exit__(None, None, None)
 
     def _pre_forward(self, unit: _Unit) -> None:
+        parameters = unit.module._parameters
+        for slot, param in unit.slots:
+            if parameters.get(slot) is not param:
+                raise InvalidRequestError(
+                    f"parameter {slot!r} of module {unit.name or type(unit.module).__name__!r} was "
+                    f"replaced after offload(), so the store does not hold it; change parameters "
+                    f"before offloading, or offload a freshly built model")
         unit.depth += 1
         unit.acquire()
 
     def _post_forward(self, unit: _Unit) -> None:
+        if unit.depth == 0:
+            return  # its pre-hook raised (always_call runs this anyway): nothing was taken
         unit.depth -= 1
         if unit.depth == 0 and not unit.in_backward:
             unit.release()
