@@ -9,6 +9,8 @@
 // the work and no thread is ever made per call.
 #include "task_pool.h"
 
+#include <cstdint>
+
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -38,13 +40,18 @@ struct PoolTask {
   std::mutex err_mu;
   int err = 0;
   std::string message;
+  size_t err_chunk = SIZE_MAX;  // the chunk whose failure is reported
   bool done = false;  // done_mu_
 
-  void fail(int e, const std::string& why) {
+  // The failure reported is that of the lowest-numbered chunk that failed (as the engine reports
+  // a batch's lowest-numbered failed op), whichever thread got there first; a failure of no
+  // chunk (cancellation) counts after every chunk's.
+  void fail(int e, const std::string& why, size_t chunk = SIZE_MAX) {
     std::lock_guard<std::mutex> lk(err_mu);
-    if (err == 0) {
+    if (err == 0 || chunk < err_chunk) {
       err = e;
       message = why;
+      err_chunk = chunk;
     }
   }
 };
@@ -117,9 +124,10 @@ void TaskPool::run_one(PoolTask* task, size_t index) {
   }
   if (err != 0) {
     try {
-      task->fail(err, "chunk " + std::to_string(index) + " of task " + std::to_string(task->id) + ": " + why);
+      task->fail(err, "chunk " + std::to_string(index) + " of task " + std::to_string(task->id) + ": " + why,
+                 index);
     } catch (const std::bad_alloc&) {
-      task->fail(err, std::string());  // the errno alone still reaches the caller
+      task->fail(err, std::string(), index);  // the errno alone still reaches the caller
     }
   }
   chunk_done(task, 1);

@@ -31,7 +31,8 @@ class Task {
   // At least 1; fixed for the task's life.
   virtual size_t chunks() const noexcept = 0;
   // Runs chunk `index`. Returns 0, or a positive errno with *message saying
-  // what failed (the task's first failure is the one reported). An exception
+  // what failed (the failure of the task's lowest-numbered failed chunk is the
+  // one reported, whichever thread met it first). An exception
   // fails the task too, never the process: ENOMEM for std::bad_alloc, EINVAL
   // for std::invalid_argument, EIO for anything else, with what() as message.
   virtual int run_chunk(size_t index, std::string* message) = 0;
@@ -39,7 +40,7 @@ class Task {
 
 struct TaskResult {
   uint64_t id = 0;
-  int err = 0;  // 0, or the positive errno of the task's first failed chunk
+  int err = 0;  // 0, or the positive errno of the task's lowest-numbered failed chunk
   std::string message;
 };
 
