@@ -84,8 +84,8 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
     step_times: list[float] = []
     try:
         model = itorch.offload(model, client, namespace="demo-gpt2")
-        optimizer = itorch.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
+        optimizer = itorch.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps,
                                                         pct_start=0.2)
         read0, written0 = _nvme_bytes(client.stats())
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -116,11 +116,14 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
                             expand=False))
         model.eval()
         prompt = torch.tensor([list(PROMPT)])
+        torch.manual_seed(0)  # the same line every run
         with torch.no_grad():
+            # Sampled (top-k): after a few dozen steps a byte-level model's single most likely
+            # next byte is a space, so greedy decoding would print nothing but spaces.
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt),  # type: ignore[operator]
-                                 max_new_tokens=48, do_sample=False)
+                                 max_new_tokens=48, do_sample=True, top_k=8, temperature=0.8)
         text = bytes(out[0].tolist()).decode("utf-8", "replace")
-        console.print(f"the trained model, greedy, from {PROMPT.decode()!r}: [bold]{text!r}")
+        console.print(f"the trained model, sampled, from {PROMPT.decode()!r}: [bold]{text!r}")
         read, written = _nvme_bytes(client.stats())
         return {"steps": steps, "parameters": num_params, "state_bytes": state_bytes,
                 "cpu_budget_bytes": budget, "first_loss": round(losses[0], 4),
