@@ -183,3 +183,62 @@ def test_transformers_trainer_runs_with_our_optimizer_and_torchs_losses(client: 
     got = trainer_losses(model, itorch.AdamW(model.parameters(), lr=3e-3), str(tmp_path / "b"))
     assert len(got) == 5
     assert got == pytest.approx(expected, rel=RTOL)
+
+
+def test_the_daemons_memory_stays_within_its_cpu_tier_with_state_four_times_larger(
+        nvme_daemon: Any) -> None:
+    """Training state (parameters, gradients, both moments) 4x the daemon's CPU tier lives on NVMe:
+    the daemon's resident memory (its own plus the tier's shared segments it maps) grows by at
+    most the tier's budget plus a fixed allowance, sampled every 10 ms while training."""
+    import threading
+
+    import psutil
+
+    budget = nvme_daemon.config.cpu.budget_bytes  # 8 MiB (PREFETCH_SETTINGS)
+    torch.manual_seed(0)
+    width, depth = 365, 16  # 16 x (365 x 365 + 365) parameters: 34 MB of state in fp32
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 4
+    assert state_bytes >= 4 * budget
+    process = psutil.Process(nvme_daemon.process.pid)
+    client = nvme_daemon.connect("bounded")
+    try:
+        model = itorch.offload(model, client, namespace="bounded")
+        optimizer = itorch.AdamW(model.parameters(), lr=1e-3)
+        start = process.memory_info().rss
+        peak = [start]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.01):
+                peak[0] = max(peak[0], process.memory_info().rss)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            for _ in range(3):
+                model(torch.randn(4, width)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            done.set()
+            sampler.join()
+        allowance = 48 << 20  # the daemon's own buffers: staging, index, Python objects
+        assert peak[0] - start <= budget + allowance, (peak[0] - start, budget)
+        assert client.stats()["counters"]["tiers"]["reload_bytes"] > state_bytes  # it streamed
+    finally:
+        client.close()
+
+
+def test_bfloat16_parameters_train_from_float32_master_copies(client: Any) -> None:
+    """The optimizer keeps an fp32 master copy of a bf16 parameter and writes the parameter as
+    the master rounded to bf16 in the same pass."""
+    model = itorch.offload(gpt2(), client, namespace="bf16", param_dtype=torch.bfloat16)
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+    state = itorch.offload_state(model)
+    losses = train(model, optimizer, steps=6)
+    assert losses[-1] < losses[0]
+    for name, param in state.stored_names():
+        with client.get(name + ".master", namespace="bf16") as master:
+            assert master.dtype == torch.float32
+            assert torch.equal(state.parameter(param), master.to(torch.bfloat16)), name

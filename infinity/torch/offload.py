@@ -369,17 +369,30 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
                 f"parameter {name} is on {param.device}: offload takes a module on the CPU "
                 f"(the GPU path is not built yet); build or load the model on the CPU")
     state = OffloadState(model, client, config)
+    # Uploaded in batches of at most an eighth of the daemon's CPU tier (a batch's reservations
+    # are held together, so one larger than the tier could never be placed); a parameter too
+    # large for that goes alone, streamed through the tier in pieces.
+    tier_bytes = int(client.stats()["tiers"]["cpu"]["budget_bytes"])
+    batch_limit = max(1, tier_bytes // 8)
     upload: dict[str, torch.Tensor] = {}
+    upload_bytes = 0
     for name, param in model.named_parameters():  # tied parameters come once, first name
         dtype = param_dtype or param.dtype
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
                        placeholder=_placeholder(param.shape, dtype), index=len(state.params))
         state.params.append(entry)
         state._by_param[id(param)] = entry
-        upload[entry.name] = param.detach().to(dtype)
-        if len(upload) >= 64:
+        value = param.detach().to(dtype).contiguous()
+        nbytes = value.numel() * value.element_size()
+        if nbytes > batch_limit:
+            client.write_from(entry.name, value, namespace=namespace)
+            continue
+        if upload and (upload_bytes + nbytes > batch_limit or len(upload) >= 64):
             client.put_many(upload, namespace=namespace)
             upload.clear()
+            upload_bytes = 0
+        upload[entry.name] = value
+        upload_bytes += nbytes
     if upload:
         client.put_many(upload, namespace=namespace)
     for entry in state.params:

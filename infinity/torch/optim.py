@@ -84,14 +84,15 @@ class _StoreAdam(torch.optim.Optimizer):
         have = client.exists_many([n for n in names.values() if n], namespace=namespace)
         wanted = dict(zip([k for k, n in names.items() if n], have))
         shape = param.shape
+        # Streamed (write_from), so a parameter's state may be larger than the CPU tier.
         if not wanted["exp_avg"]:
-            client.put(names["exp_avg"], torch.zeros(shape), namespace=namespace)
+            client.write_from(names["exp_avg"], torch.zeros(shape), namespace=namespace)
         if not wanted["exp_avg_sq"]:
-            client.put(names["exp_avg_sq"], torch.zeros(shape), namespace=namespace)
+            client.write_from(names["exp_avg_sq"], torch.zeros(shape), namespace=namespace)
         if names["master"] and not wanted["master"]:
-            with client.get(entry.name, namespace=namespace) as stored:
-                master = stored.float()
-            client.put(names["master"], master, namespace=namespace)
+            master = torch.empty(shape, dtype=entry.placeholder.dtype)
+            client.read_into(entry.name, master, namespace=namespace)
+            client.write_from(names["master"], master.float(), namespace=namespace)
 
     @staticmethod
     def _names(state: OffloadState, param: nn.Parameter) -> dict[str, str]:
