@@ -307,7 +307,12 @@ def test_directories_swapped_while_the_store_was_being_marked_are_refused(
 
 def test_small_tensors_spread_over_every_directory(engine: IOEngine, disk_tmp: str) -> None:
     a, b = _two_dirs(disk_tmp)
-    tier = make_tier(engine, a, b)
+    # A capacity below what the disk has free, so that it, not the shared file system's free
+    # space, bounds each directory's room: with the default 64 GiB on a disk with less free, the
+    # first directory's room is the file system's less the index's reserve, the second's the
+    # whole, and every deal started at the second (seen once the test disk had 63 GiB free).
+    tier = NvmeTier(NvmeConfig(dirs=(a, b), stripe_bytes=MiB, file_grow_bytes=4 * MiB,
+                               capacity_bytes_per_dir=1 << 30), engine)
     firsts = [tier.allocate(4096 + i).extents[0][0] for i in range(6)]  # one stripe each
     assert sorted(firsts) == [0, 0, 0, 1, 1, 1]
     tier.close()
