@@ -242,3 +242,39 @@ def test_bfloat16_parameters_train_from_float32_master_copies(client: Any) -> No
         with client.get(name + ".master", namespace="bf16") as master:
             assert master.dtype == torch.float32
             assert torch.equal(state.parameter(param), master.to(torch.bfloat16)), name
+
+
+def test_a_daemon_that_dies_during_a_step_is_a_typed_error_for_the_trainer(
+        daemon: Any) -> None:
+    import signal
+    import threading
+
+    from infinity.errors import DaemonUnavailableError
+
+    client = daemon.connect("dies")
+    try:
+        model = itorch.offload(gpt2(), client, namespace="dies")
+        optimizer = itorch.AdamW(model.parameters(), lr=1e-3)
+        model(input_ids=torch.ones(1, 5, dtype=torch.long),
+              labels=torch.ones(1, 5, dtype=torch.long)).loss.backward()
+        # Stopped first, so the step cannot finish before the kill: it is sent to a daemon that
+        # never answers, or finds it gone; either way the trainer gets the typed error.
+        daemon.process.send_signal(signal.SIGSTOP)
+        outcome: list[BaseException | None] = []
+
+        def step() -> None:
+            try:
+                optimizer.step()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                outcome.append(exc)
+
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        daemon.process.kill()
+        daemon.process.wait(30)
+        stepping.join(60)
+        assert not stepping.is_alive(), "the step still waits for a daemon that is gone"
+        assert isinstance(outcome[0], DaemonUnavailableError), outcome
+    finally:
+        client.close()
