@@ -5,14 +5,18 @@ way: an eventfd that becomes readable, `poll()` returning `(id, errno,
 message)` for each finished id, and a blocking `wait(id, timeout_s)`. This
 module owns what both do with that on the Python side: the map from id to
 `IOFuture`, resolving futures from `poll()` (the daemon's loop) or from a
-caller blocked in `IOFuture.result()`, in slices so that Ctrl-C gets through.
+caller blocked in `IOFuture.result()`, in slices so that Ctrl-C gets through;
+and their lifetime: closing (from several threads at once), the finalizer, the
+context manager, and refusing the parent's object in a forked child.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Callable, Protocol
+from types import TracebackType
+from typing import Callable, Protocol, Self
 
 from infinity.errors import IOEngineError
 from infinity.io.future import IOFuture
@@ -30,6 +34,8 @@ class NativeCompletions(Protocol):
 
     def wait(self, task_id: int, timeout_s: float = -1.0) -> tuple[int, str]: ...
 
+    def close(self) -> None: ...
+
 
 class CompletionSource:
     """Futures by id over a `NativeCompletions`; subclasses submit and call `_track`."""
@@ -43,6 +49,39 @@ class CompletionSource:
         self._to_error = to_error
         self._lock = threading.Lock()
         self._futures: dict[int, IOFuture] = {}
+        self._closed = False
+        self._pid = os.getpid()  # native threads do not survive fork()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Cancel the work not started (its futures fail), wait for the work running, stop the
+        threads. A close from several threads at once returns in each once all that is done."""
+        if os.getpid() != self._pid:
+            self._closed = True  # the parent's object: nothing of it runs here
+            return
+        with self._lock:
+            self._closed = True
+        self._completions.close()  # a second caller waits there for the first
+        self.poll()
+
+    def __del__(self) -> None:
+        # Closed here, with the GIL released while its threads are joined, rather than by the
+        # native object's deallocation, which would hold the GIL until the work in flight ends.
+        try:
+            if not self._closed and os.getpid() == self._pid:
+                self._completions.close()
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     @property
     def completion_fd(self) -> int:

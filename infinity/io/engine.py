@@ -18,7 +18,6 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from types import TracebackType
 from typing import Iterable
 
 from infinity.config import IOConfig
@@ -80,8 +79,6 @@ class IOEngine(CompletionSource):
         except (RuntimeError, OSError) as exc:
             raise IOEngineError(str(exc)) from exc
         super().__init__(self._native, error_from_errno)
-        self._closed = False
-        self._pid = os.getpid()  # the worker threads do not survive fork()
         _live.add(self)
 
     @classmethod
@@ -105,10 +102,6 @@ class IOEngine(CompletionSource):
     def staged_bytes(self) -> int:
         """Bytes that staged reads (`IOOp.staged`) brought in through the staging memory."""
         return int(self._native.staged_bytes)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # --- submitting -----------------------------------------------------------
 
@@ -146,39 +139,6 @@ class IOEngine(CompletionSource):
         self.submit(ops).result(timeout_s)
 
     # --- completing -----------------------------------------------------------
-
-    # --- lifetime ---------------------------------------------------------------
-
-    def close(self) -> None:
-        """Cancel queued ops (their futures fail), wait for those in flight, stop the threads.
-        A close from several threads at once returns in each once all of that is done."""
-        if os.getpid() != self._pid:
-            self._closed = True  # the parent's engine: nothing of it runs here
-            return
-        with self._lock:
-            self._closed = True
-        self._native.close()  # a second caller waits there for the first
-        self.poll()
-
-    def __del__(self) -> None:
-        # Closed here, with the GIL released while its threads are joined, rather than by the
-        # native object's deallocation, which would hold the GIL until the I/O in flight ends.
-        try:
-            if not self._closed and os.getpid() == self._pid:
-                self._native.close()
-        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
-            pass
-
-    def __enter__(self) -> IOEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<IOEngine backend={self.backend} {'closed' if self._closed else 'open'}>"

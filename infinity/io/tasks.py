@@ -18,7 +18,6 @@ import ctypes
 import errno
 import os
 import weakref
-from types import TracebackType
 from typing import Callable
 
 from infinity.errors import AlignmentError, IOEngineError
@@ -73,17 +72,11 @@ class TaskPool(CompletionSource):
         except (ValueError, OSError) as exc:
             raise IOEngineError(f"could not start the task pool: {exc}") from exc
         super().__init__(self._native, task_error)
-        self._closed = False
-        self._pid = os.getpid()  # the threads do not survive fork()
         _live.add(self)
 
     @property
     def num_threads(self) -> int:
         return int(self._native.num_threads)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # --- submitting -----------------------------------------------------------
 
@@ -147,38 +140,6 @@ class TaskPool(CompletionSource):
             except RuntimeError as exc:
                 raise IOEngineError(str(exc)) from exc
             return self._track(task_id, keepalive)
-
-    # --- lifetime ---------------------------------------------------------------
-
-    def close(self) -> None:
-        """Cancel the chunks not yet started (their tasks' futures fail), wait for those
-        running, stop the threads. Several threads may close at once."""
-        if os.getpid() != self._pid:
-            self._closed = True  # the parent's pool: nothing of it runs here
-            return
-        with self._lock:
-            self._closed = True
-        self._native.close()
-        self.poll()
-
-    def __del__(self) -> None:
-        # Closed here with the GIL released while the threads are joined (see IOEngine.__del__).
-        try:
-            if not self._closed and os.getpid() == self._pid:
-                self._native.close()
-        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
-            pass
-
-    def __enter__(self) -> TaskPool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<TaskPool {self.num_threads} threads {'closed' if self._closed else 'open'}>"
