@@ -34,7 +34,6 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from infinity.errors import InvalidRequestError
 
@@ -78,7 +77,6 @@ class _Param:
     placeholder: torch.Tensor
     holders: list[tuple["_Unit", torch.Tensor]] = field(default_factory=list)
     units: list["_Unit"] = field(default_factory=list)  # the modules that use it (tied: several)
-    index: int = 0
 
 
 class _SavedParam:
@@ -138,7 +136,6 @@ class OffloadState:
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
         self._by_param: dict[int, _Param] = {}
-        self._handles: list[RemovableHandle] = []
         # Leased memory of present parameters, by the base address of the storage their views
         # share (a segment): sorted starts, and the entries, for the saved-tensor hook.
         self._spans: dict[int, tuple[list[int], list[_Param]]] = {}
@@ -311,18 +308,6 @@ class OffloadState:
                 "module given to offload()")
         return entry
 
-    def release_all(self) -> None:
-        for unit in self.units:
-            unit.depth = 0
-            unit.release()
-
-    def remove(self) -> None:
-        """Take the hooks off (the parameters stay placeholders; the state stays in the store)."""
-        self.release_all()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of the parameter's shape and dtype whose storage holds no bytes (as FSDP2 frees
@@ -379,7 +364,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     for name, param in model.named_parameters():  # tied parameters come once, first name
         dtype = param_dtype or param.dtype
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
-                       placeholder=_placeholder(param.shape, dtype), index=len(state.params))
+                       placeholder=_placeholder(param.shape, dtype))
         state.params.append(entry)
         state._by_param[id(param)] = entry
         value = param.detach().to(dtype).contiguous()
@@ -400,8 +385,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             # Registered while the parameter still has its shape: the hook creates the
             # parameter's gradient accumulator, which checks every gradient against the shape
             # the parameter had then (an empty placeholder would refuse them all).
-            state._handles.append(entry.param.register_post_accumulate_grad_hook(
-                state._gradient_ready))
+            entry.param.register_post_accumulate_grad_hook(
+                state._gradient_ready)
         entry.param.data = entry.placeholder
     for module_name, module in model.named_modules():
         entries = [state._by_param[id(p)] for p in module.parameters(recurse=False)]
@@ -411,10 +396,10 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         state.units.append(unit)
         for entry in entries:
             entry.units.append(unit)
-        state._handles.append(module.register_forward_pre_hook(
-            lambda m, a, unit=unit: state._pre_forward(unit)))
-        state._handles.append(module.register_forward_hook(
-            lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True))
+        module.register_forward_pre_hook(
+            lambda m, a, unit=unit: state._pre_forward(unit))
+        module.register_forward_hook(
+            lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True)
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.
     plain_zero_grad = model.zero_grad
@@ -424,8 +409,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         state.zero_grad()
 
     model.zero_grad = zero_grad  # type: ignore[method-assign]
-    state._handles.append(model.register_forward_pre_hook(state._root_pre_forward, prepend=True))
-    state._handles.append(model.register_forward_hook(state._root_post_forward, always_call=True))
+    model.register_forward_pre_hook(state._root_pre_forward, prepend=True)
+    model.register_forward_hook(state._root_post_forward, always_call=True)
     state.zero_grad()
     _STATES[model] = state
     return model
