@@ -382,11 +382,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         client.put_many(upload, namespace=namespace)
     for entry in state.params:
         if entry.param.requires_grad:
-            # Registered while the parameter still has its shape: the hook creates the
-            # parameter's gradient accumulator, which checks every gradient against the shape
-            # the parameter had then (an empty placeholder would refuse them all).
-            entry.param.register_post_accumulate_grad_hook(
-                state._gradient_ready)
+            # Once autograd has summed every use of the parameter: its gradient is final.
+            entry.param.register_post_accumulate_grad_hook(state._gradient_ready)
         entry.param.data = entry.placeholder
     for module_name, module in model.named_modules():
         entries = [state._by_param[id(p)] for p in module.parameters(recurse=False)]
