@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -77,6 +77,7 @@ class _Param:
     placeholder: torch.Tensor
     holders: list[tuple["_Unit", torch.Tensor]] = field(default_factory=list)
     units: list["_Unit"] = field(default_factory=list)  # the modules that use it (tied: several)
+    step: Any = None  # the optimizer step still updating it in the daemon (a PendingAdamStep)
 
 
 class _SavedParam:
@@ -111,6 +112,7 @@ class _Unit:
     def acquire(self) -> None:
         if self.lease is not None:
             return
+        self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
         lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
         self.lease = lease
         for entry, view in zip(self.entries, lease.tensors):
@@ -142,6 +144,11 @@ class OffloadState:
         self._fresh_grads: set[str] = set()
         self._saved_hooks: Any = None
         self._end_of_backward_queued = False
+        # The parameters in the order the last forward used them first (the optimizer steps
+        # them in this order, so the next forward finds the first of them updated soonest).
+        self.forward_order: list[_Param] = []
+        self._order_seen: set[int] | None = None
+        self._steps_pending = 0  # entries whose `step` is set
 
     # --- presence -------------------------------------------------------------------------
 
@@ -179,12 +186,15 @@ class OffloadState:
     # --- hooks ----------------------------------------------------------------------------
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self.config.mark_steps and torch.is_grad_enabled():
-            self.client.step_begin(namespace=self.config.namespace)
+        if torch.is_grad_enabled():
+            if self.config.mark_steps:
+                self.client.step_begin(namespace=self.config.namespace)
+            self.forward_order, self._order_seen = [], set()
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._order_seen = None
         hooks, self._saved_hooks = self._saved_hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
@@ -198,6 +208,11 @@ class OffloadState:
                     f"replaced after offload(), so the store does not hold it; change parameters "
                     f"before offloading, or offload a freshly built model")
         unit.depth += 1
+        if self._order_seen is not None:
+            for entry in unit.entries:
+                if id(entry) not in self._order_seen:
+                    self._order_seen.add(id(entry))
+                    self.forward_order.append(entry)
         unit.acquire()
 
     def _post_forward(self, unit: _Unit) -> None:
@@ -257,6 +272,7 @@ class OffloadState:
         entry = self._by_param[id(param)]
         namespace = self.config.namespace
         grad = grad.detach().to(self.config.grad_dtype)
+        self.settle_steps((entry,))  # a step still reading the stored gradient
         if entry.grad_name in self._fresh_grads:
             self.client.put(entry.grad_name, grad, namespace=namespace)
             self._fresh_grads.discard(entry.grad_name)
@@ -269,6 +285,33 @@ class OffloadState:
                 unit.grads_left -= 1
                 if unit.grads_left <= 0 and unit.depth == 0:
                     unit.release()
+
+    # --- steps running in the daemon ------------------------------------------------------
+
+    def step_sent(self, entries: list[_Param], pending: Any) -> None:
+        """The optimizer sent a step over `entries` (a PendingAdamStep): whatever uses them
+        next waits for it first."""
+        for entry in entries:
+            if entry.step is None:
+                self._steps_pending += 1
+            entry.step = pending
+
+    def settle_steps(self, entries: Iterable[_Param] | None = None) -> None:
+        """Wait for the optimizer steps still updating `entries` (all: None); raise the first
+        error one of them met (once: the step is forgotten either way)."""
+        if not self._steps_pending:
+            return
+        for entry in self.params if entries is None else entries:
+            pending = entry.step
+            if pending is None:
+                continue
+            try:
+                pending.result()
+            finally:
+                for other in self.params:
+                    if other.step is pending:
+                        other.step = None
+                        self._steps_pending -= 1
 
     # --- what the optimizer and the user call ------------------------------------------------
 
@@ -287,12 +330,14 @@ class OffloadState:
     def gradient(self, param: nn.Parameter) -> torch.Tensor:
         """A copy of a parameter's accumulated gradient, read from the store."""
         entry = self._entry(param)
+        self.settle_steps((entry,))
         with self.client.get(entry.grad_name, namespace=self.config.namespace) as stored:
             return stored.clone()
 
     def parameter(self, param: nn.Parameter) -> torch.Tensor:
         """A copy of a parameter's value as stored."""
         entry = self._entry(param)
+        self.settle_steps((entry,))
         with self.client.get(entry.name, namespace=self.config.namespace) as stored:
             return stored.clone()
 

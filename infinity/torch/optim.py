@@ -5,10 +5,19 @@ They take the parameters of a module given to `infinity.torch.offload` (its grad
 store already). At construction each parameter gets its optimizer state in the store, in the
 module's namespace: `<name>.exp_avg` and `<name>.exp_avg_sq` (fp32 zeros), and `<name>.master`
 (an fp32 copy) when the parameter is kept in a lower precision. State already there (a trainer
-restarted on the same namespace) is kept. `step()` sends one `adam_step` request per namespace:
-the daemon updates each parameter, its master copy and both moments in place with the native
-kernel (torch's single-tensor Adam arithmetic) and writes the low-precision parameter in the same
-pass. `param_groups` are read at every step (lr, betas, eps, weight_decay), so
+restarted on the same namespace) is kept. The daemon updates each parameter, its master copy and
+both moments in place with the native kernel (torch's single-tensor Adam arithmetic) and writes
+the low-precision parameter in the same pass.
+
+The step overlaps the next forward: `step()` sends the step as several `adam_step` requests
+(sub-groups of about `SUBGROUP_BYTES` of parameters, in the order the last forward used them)
+and returns without waiting; the daemon serves them in that order, and the next forward waits,
+unit by unit, only for the sub-group holding the parameters it is about to use. So the daemon
+reads the state from NVMe, steps it and writes it back while the trainer computes, and the
+results are exactly those of a step that waited (each parameter is read after its update). An
+error of the step is raised where it is waited for (the next forward's use of those parameters,
+or `synchronize()`); `state_dict()` and `load_state_dict()` wait for it first. `overlap=False`
+makes `step()` wait. `param_groups` are read at every step (lr, betas, eps, weight_decay), so
 `torch.optim.lr_scheduler` schedulers work; `zero_grad()` makes the next backward replace the
 stored gradients; `state_dict()` / `load_state_dict()` carry the moments (read from and written to
 the store) and the step counts.
@@ -32,9 +41,11 @@ from torch import nn
 
 from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
-from infinity.torch.offload import OffloadState, state_of_parameter
+from infinity.torch.offload import OffloadState, _Param, state_of_parameter
 
 __all__ = ["Adam", "AdamW"]
+
+SUBGROUP_BYTES = 8 << 20  # fp32 bytes of parameters per request: the next forward waits for one
 
 
 class _StoreAdam(torch.optim.Optimizer):
@@ -46,7 +57,8 @@ class _StoreAdam(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False,
-                 differentiable: bool = False, fused: bool | None = None) -> None:
+                 differentiable: bool = False, fused: bool | None = None,
+                 overlap: bool = True) -> None:
         unsupported = {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
                        "differentiable": differentiable, "foreach": bool(foreach),
                        "fused": bool(fused)}
@@ -61,9 +73,11 @@ class _StoreAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False, foreach=None, capturable=False, differentiable=False,
                         fused=None, decoupled_weight_decay=self.decoupled)
+        self._steppers: dict[int, Any] = {}  # id(client) -> its AdamStepper
         super().__init__(params, defaults)
         self._owners: dict[int, OffloadState] = {}
         self._grad_scale = 1.0
+        self._overlap = overlap
         for group in self.param_groups:
             for param in group["params"]:
                 self._adopt(param)
@@ -78,6 +92,8 @@ class _StoreAdam(torch.optim.Optimizer):
                 "infinity.torch.offload(model, client, namespace=...) before building the "
                 "optimizer, and pass model.parameters()")
         self._owners[id(param)] = state
+        if id(state.client) not in self._steppers:  # its socket is attached now, not mid-step
+            self._steppers[id(state.client)] = state.client.adam_stepper()
         entry = state.entry_of(param)
         names = self._names(state, param)
         client, namespace = state.client, state.config.namespace
@@ -115,7 +131,10 @@ class _StoreAdam(torch.optim.Optimizer):
             raise InvalidRequestError(
                 f"{type(self).__name__}.step(closure) is not supported: compute the loss and "
                 f"call backward() before step()")
-        requests: dict[tuple[int, str], tuple[Any, list[wire.AdamItem]]] = {}
+        # A step sent before must be done before this one leases its tensors again (the next
+        # forward waited for it already, but for parameters it did not use).
+        self.synchronize()
+        requests: dict[tuple[int, str], list[tuple[OffloadState, _Param, wire.AdamItem]]] = {}
         groups: list[wire.AdamGroup] = []
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
@@ -138,12 +157,39 @@ class _StoreAdam(torch.optim.Optimizer):
                 step = int(param_state.get("step", torch.tensor(0.0)).item()) + 1
                 param_state["step"] = torch.tensor(float(step))
                 key = (id(state.client), state.config.namespace)
-                requests.setdefault(key, (state.client, []))[1].append(wire.AdamItem(
+                requests.setdefault(key, []).append((state, entry, wire.AdamItem(
                     entry.name, entry.grad_name, names["master"], names["exp_avg"],
-                    names["exp_avg_sq"], index, step))
+                    names["exp_avg_sq"], index, step)))
         self._grad_scale = 1.0
-        for (_, namespace), (client, items) in requests.items():
-            client.adam_step(groups, items, namespace=namespace)
+        for (_, namespace), items in requests.items():
+            self._send(groups, _in_forward_order(items), namespace)
+        if not self._overlap:
+            self.synchronize()
+
+    def _send(self, groups: list[wire.AdamGroup],
+              items: list[tuple[OffloadState, _Param, wire.AdamItem]], namespace: str) -> None:
+        """Send the items in sub-groups of about SUBGROUP_BYTES, without waiting; each
+        parameter's offload state waits for its sub-group before the parameter is used."""
+        stepper = self._steppers[id(items[0][0].client)]
+        start, nbytes = 0, 0
+        for end, (_, entry, _) in enumerate(items, 1):
+            nbytes += entry.placeholder.numel() * 4
+            if nbytes < SUBGROUP_BYTES and end < len(items):
+                continue
+            batch = items[start:end]
+            pending = stepper.send(groups, [item for _, _, item in batch], namespace=namespace)
+            by_state: dict[int, tuple[OffloadState, list[_Param]]] = {}
+            for state, entry, _ in batch:
+                by_state.setdefault(id(state), (state, []))[1].append(entry)
+            for state, entries in by_state.values():
+                state.step_sent(entries, pending)
+            start, nbytes = end, 0
+
+    def synchronize(self) -> None:
+        """Wait until the steps sent are applied in the daemon; raise the first error one met
+        (the step of the other parameters is applied)."""
+        for state in {id(s): s for s in self._owners.values()}.values():
+            state.settle_steps()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward replaces the stored gradients (they left the process already)."""
@@ -178,6 +224,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: per parameter its step and both moments (read from the store)."""
+        self.synchronize()
         result = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         for index, param in enumerate(params):
@@ -196,6 +243,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Steps and hyperparameters as torch loads them; the moments go into the store."""
+        self.synchronize()
         super().load_state_dict(state_dict)
         for param, param_state in list(self.state.items()):
             assert isinstance(param, nn.Parameter)
@@ -237,3 +285,20 @@ def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise InvalidRequestError(f"invalid betas {betas}: each must be in [0, 1)")
     if not 0.0 <= float(weight_decay):
         raise InvalidRequestError(f"invalid weight_decay {weight_decay}: it must be >= 0")
+
+
+def _in_forward_order(items: list[tuple[OffloadState, _Param, wire.AdamItem]]
+                      ) -> list[tuple[OffloadState, _Param, wire.AdamItem]]:
+    """The items sorted by where the last forward of their module first used them (those it
+    did not use last, in the optimizer's order)."""
+    positions: dict[int, dict[int, int]] = {}
+    for state, _, _ in items:
+        if id(state) not in positions:
+            positions[id(state)] = {id(e): i for i, e in enumerate(state.forward_order)}
+    last = len(items) + max((len(p) for p in positions.values()), default=0)
+
+    def position(indexed: tuple[int, tuple[OffloadState, _Param, wire.AdamItem]]) -> int:
+        index, (state, entry, _) = indexed
+        return positions[id(state)].get(id(entry), last + index)
+
+    return [item for _, item in sorted(enumerate(items), key=position)]

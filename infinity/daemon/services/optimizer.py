@@ -16,17 +16,22 @@ service:
 The stages of one item after its lease read top to bottom in `_step_one`, a job (`infinity.daemon.jobs`)
 that yields the loads and the kernel's task and is resumed on the loop thread as each completes.
 Items are pipelined within a window of bytes (a quarter of the CPU tier), so the loads of the
-next items overlap the arithmetic of this one and a model larger than the tier still steps. An
-item whose load finds the tier full while other items of the step hold it is put back and started
-again when one of them is done, and the window shrinks to what fitted. The
-reply goes once every item is done: one result per item, None or the error it met (a tensor
-missing, of the wrong dtype or size, leased by someone else). The loop thread never computes.
+next items overlap the arithmetic of this one and a model larger than the tier still steps. The
+window is the service's, not a request's: requests are served first come, first served, and a
+trainer sends one step as several requests (sub-groups, in the order its forward uses the
+parameters) without waiting, so it can go on with the next forward while the daemon steps, and
+the forward waits only for the sub-group whose parameters it needs next. An item whose load finds
+the tier full while other items hold it is put back and started again when one of them is done,
+and the window shrinks to what fitted. A request's reply goes once every item of it is done: one
+result per item, None or the error it met (a tensor missing, of the wrong dtype or size, leased
+by someone else). The loop thread never computes.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,16 +67,18 @@ class _Item:
 
 @dataclass(eq=False)
 class _Job:
-    """One adam_step request: its items, those not started yet, and the bytes in flight."""
+    """One adam_step request: its items and which of them are not started yet."""
 
     session: Session
     namespace: str
     items: list[_Item]
     deferred: Deferred
     next: int = 0
-    in_flight_bytes: int = 0
-    running: int = 0
+    queued: bool = False  # in the service's queue: it has items to start
     retry: list[_Item] = field(default_factory=list)  # put back: the tier was full of our own
+
+    def has_more(self) -> bool:
+        return bool(self.retry) or self.next < len(self.items)
 
 
 class OptimizerService:
@@ -87,6 +94,10 @@ class OptimizerService:
         self.namespaces = namespaces
         self.tasks = tasks
         self.window_bytes = max(1, cpu_tier_bytes // 4)
+        self.queue: deque[_Job] = deque()  # requests with items to start, oldest first
+        self.in_flight_bytes = 0           # leased by the items under way, every request's
+        self.running = 0                   # items under way
+        self._starting = False             # in _start_more (an item failing at once re-enters)
         self.closing = False
         self.steps = 0          # items stepped
         self.elements = 0       # parameters stepped
@@ -101,6 +112,7 @@ class OptimizerService:
     def stats(self) -> dict[str, Any]:
         return {"items_stepped": self.steps, "parameters_stepped": self.elements,
                 "items_requeued": self.requeued, "window_bytes": self.window_bytes,
+                "items_running": self.running, "requests_queued": len(self.queue),
                 "num_threads": self.tasks.pool.num_threads}
 
     # --- a request -----------------------------------------------------------------------
@@ -113,22 +125,36 @@ class OptimizerService:
         job = _Job(session, message.namespace,
                    [_Item(i, item, message.groups[item.group])
                     for i, item in enumerate(message.items)], deferred)
-        self._start_more(job)
+        if job.items:
+            job.queued = True
+            self.queue.append(job)
+            self._start_more()
         deferred.settle()
         return deferred
 
-    def _start_more(self, job: _Job) -> None:
-        """Start items in order while the window has room (always at least one); items put
-        back because the tier was full go first."""
-        while ((job.retry or job.next < len(job.items))
-               and (job.running == 0 or job.in_flight_bytes < self.window_bytes)):
-            if job.retry:
-                item = job.retry.pop(0)
-            else:
-                item = job.items[job.next]
-                job.next += 1
-            job.running += 1
-            self._begin(job, item)
+    def _start_more(self) -> None:
+        """Start items, the oldest request's first and each request's in order, while the
+        window has room (always at least one item runs); items put back because the tier was
+        full go first within their request."""
+        if self._starting:
+            return  # an item that failed at once, inside the loop below: the loop goes on
+        self._starting = True
+        try:
+            while self.queue and (self.running == 0 or self.in_flight_bytes < self.window_bytes):
+                job = self.queue[0]
+                if not job.has_more():
+                    job.queued = False
+                    self.queue.popleft()
+                    continue
+                if job.retry:
+                    item = job.retry.pop(0)
+                else:
+                    item = job.items[job.next]
+                    job.next += 1
+                self.running += 1
+                self._begin(job, item)
+        finally:
+            self._starting = False
 
     def _begin(self, job: _Job, item: _Item) -> None:
         """Lease the item's tensors now (so the window counts them before the next item
@@ -160,7 +186,7 @@ class OptimizerService:
                 raise outcome
         self._check(item)
         item.nbytes = sum(v.nbytes for v in item.versions)
-        job.in_flight_bytes += item.nbytes
+        self.in_flight_bytes += item.nbytes
 
     def _step_one(self, job: _Job, item: _Item) -> Job[str]:
         """The rest of one parameter's step once leased, its stages in order: load, compute.
@@ -172,8 +198,8 @@ class OptimizerService:
             try:
                 yield loads
             except TierFullError:
-                if job.running > 1:
-                    return "put back"  # this step's other items hold the tier: after them
+                if self.running > 1:
+                    return "put back"  # other items of steps hold the tier: after them
                 raise
         if self.closing:
             raise InvalidRequestError("infinityd is stopping; the step was not applied to this "
@@ -220,7 +246,7 @@ class OptimizerService:
         error = outcome.exception()
         if error is None and outcome.result() == "put back":
             self._put_back(job, item)
-            self._start_more(job)
+            self._start_more()
             return
         if error is None:
             self.steps += 1
@@ -233,14 +259,18 @@ class OptimizerService:
         self._finish(job, item, error)
 
     def _put_back(self, job: _Job, item: _Item) -> None:
-        """The tier is full while other items of this step hold it: give this one's lease back
-        and start it again once one of them is done (and keep the window below what it had)."""
+        """The tier is full while other items hold it: give this one's lease back and start it
+        again, first of its request, once one of them is done (and keep the window below what
+        it had)."""
         self.catalog.release(DAEMON_CLIENT_ID, item.lease_id)
-        self.window_bytes = max(1, min(self.window_bytes, job.in_flight_bytes - item.nbytes))
-        job.in_flight_bytes -= item.nbytes
-        job.running -= 1
+        self.window_bytes = max(1, min(self.window_bytes, self.in_flight_bytes - item.nbytes))
+        self.in_flight_bytes -= item.nbytes
+        self.running -= 1
         item.error, item.nbytes, item.versions = None, 0, []
         job.retry.append(item)
+        if not job.queued:  # its last items had started: it goes first again
+            job.queued = True
+            self.queue.appendleft(job)
         self.requeued += 1
 
     def _check(self, item: _Item) -> None:
@@ -274,10 +304,10 @@ class OptimizerService:
             pass  # nothing was leased (every item failed to lease)
         if error is not None:
             job.deferred.results[item.index] = self.counters.item_error(job.session, error)
-        job.in_flight_bytes -= item.nbytes
-        job.running -= 1
+        self.in_flight_bytes -= item.nbytes
+        self.running -= 1
         job.deferred.settle()
-        self._start_more(job)
+        self._start_more()
 
 
 def _numel(version: Version) -> int:

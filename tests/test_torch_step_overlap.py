@@ -1,0 +1,118 @@
+"""The optimizer step overlaps the next forward: `step()` sends the step to infinityd and
+returns; the next forward waits, unit by unit, for the sub-group holding the parameters it is
+about to use. The losses stay those of a step that waited (tests/test_torch_optim.py compares
+20 steps with plain PyTorch with the overlap on, as it is by default)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import infinity.torch as itorch
+from infinity.errors import NotFoundError
+from tiny_models import gpt2
+
+RTOL = 1e-5
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(5))
+
+
+def loss_of(model: Any) -> torch.Tensor:
+    batch = ids()
+    return model(input_ids=batch, labels=batch).loss
+
+
+def reference_losses(steps: int) -> list[float]:
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model)
+        loss.backward()
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def test_step_returns_while_the_daemon_is_stopped_and_the_next_forward_sees_its_update(
+        daemon: Any) -> None:
+    client = daemon.connect("overlap")
+    try:
+        model = itorch.offload(gpt2(), client, namespace="overlap")
+        optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+        first = loss_of(model)
+        first.backward()
+        daemon.process.send_signal(signal.SIGSTOP)  # nothing can be answered from here on
+        try:
+            returned = threading.Event()
+
+            def step() -> None:
+                optimizer.step()
+                returned.set()
+
+            stepping = threading.Thread(target=step, daemon=True)
+            stepping.start()
+            assert returned.wait(60), "step() waited for a daemon that cannot answer"
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
+        optimizer.zero_grad()
+        second = float(loss_of(model).detach())  # waits for the step, sub-group by sub-group
+        expected = reference_losses(2)
+        assert float(first.detach()) == pytest.approx(expected[0], rel=RTOL)
+        assert second == pytest.approx(expected[1], rel=RTOL)
+    finally:
+        client.close()
+
+
+def test_an_error_of_a_step_is_raised_where_its_parameters_are_used_next(client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="broken")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+    loss_of(model).backward()
+    client.delete("transformer.h.1.mlp.c_fc.weight.exp_avg", namespace="broken")
+    optimizer.step()  # sent; the daemon finds the moment missing
+    optimizer.zero_grad()
+    with pytest.raises(NotFoundError, match="c_fc.weight.exp_avg"):
+        loss_of(model)
+    # Raised once: the other parameters were stepped, and the model still computes.
+    assert torch.isfinite(loss_of(model))
+
+
+def test_synchronize_raises_the_error_of_a_step_sent_before(client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="sync")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+    loss_of(model).backward()
+    client.delete("transformer.wpe.weight.exp_avg_sq", namespace="sync")
+    optimizer.step()
+    with pytest.raises(NotFoundError, match="wpe.weight.exp_avg_sq"):
+        optimizer.synchronize()
+    optimizer.synchronize()  # the error was raised; nothing is left to wait for
+
+
+def test_without_overlap_the_step_is_applied_when_step_returns(client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="wait")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3, overlap=False)
+    loss_of(model).backward()
+    optimizer.step()
+    # The daemon holds a parameter exclusively while it steps it: a plain get succeeds only
+    # once every update is done.
+    names = [name for name, _ in itorch.offload_state(model).stored_names()]
+    with client.get_many(names + [n + ".exp_avg" for n in names], namespace="wait") as views:
+        assert len(views) == 2 * len(names)
+
+
+def test_the_next_forward_uses_parameters_in_the_order_the_step_sends_them(client: Any) -> None:
+    """The forward records the order it first uses the parameters in; the optimizer sends the
+    step's sub-groups in that order (so the first unit of the next forward waits the least)."""
+    model = itorch.offload(gpt2(), client, namespace="order")
+    state = itorch.offload_state(model)
+    loss_of(model).backward()
+    used = [entry.name for entry in state.forward_order]
+    assert used[0] == "transformer.wte.weight" and used[1] == "transformer.wpe.weight"
+    assert sorted(used) == sorted(name for name, _ in state.stored_names())
