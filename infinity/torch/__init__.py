@@ -1,8 +1,21 @@
 """Torch integration: `offload` (a module's parameters in the store, present around their use,
 gradients leaving for the store as they are produced) and `Adam` / `AdamW` (optimizer state in
-the store, the step in infinityd). Checkpoints and streamed generation come next (issues 20-21)."""
+the store, the step in infinityd). `StoredGradientClipping` (a transformers.Trainer callback) is
+imported on first use, so nothing else here needs transformers. Checkpoints and streamed
+generation come next (issues 20-21)."""
+
+from typing import Any
 
 from infinity.torch.offload import OffloadConfig, OffloadState, offload, offload_state
 from infinity.torch.optim import Adam, AdamW
 
-__all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "offload", "offload_state"]
+__all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping", "offload",
+           "offload_state"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StoredGradientClipping":
+        from infinity.torch.trainer import StoredGradientClipping
+
+        return StoredGradientClipping
+    raise AttributeError(f"module 'infinity.torch' has no attribute {name!r}")
