@@ -35,7 +35,7 @@ def reference_losses(steps: int) -> list[float]:
     for _ in range(steps):
         loss = loss_of(model)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -116,3 +116,85 @@ def test_the_next_forward_uses_parameters_in_the_order_the_step_sends_them(clien
     used = [entry.name for entry in state.forward_order]
     assert used[0] == "transformer.wte.weight" and used[1] == "transformer.wpe.weight"
     assert sorted(used) == sorted(name for name, _ in state.stored_names())
+
+
+def batch_of(step: int) -> torch.Tensor:
+    return torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(step % 2))
+
+
+def delayed_reference(steps: int) -> list[float]:
+    """ZeRO-Offload's delayed parameter update in plain PyTorch: the forward of step t computes
+    with the parameters from before step t - 1 (fp32 masters stepped by torch's AdamW)."""
+    used, master = gpt2(), gpt2()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=3e-3, foreach=False)
+    published: list[torch.Tensor] | None = None
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        batch = batch_of(step)
+        loss = used(input_ids=batch, labels=batch).loss
+        loss.backward()
+        for mine, theirs in zip(used.parameters(), master.parameters()):
+            theirs.grad, mine.grad = mine.grad, None
+        optimizer.step()
+        optimizer.zero_grad()
+        if published is not None:  # the step before this one's reaches the forward now
+            with torch.no_grad():
+                for mine, value in zip(used.parameters(), published):
+                    mine.copy_(value)
+        published = [p.detach().clone() for p in master.parameters()]
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_the_delayed_update_gives_the_losses_of_zero_offloads_schedule(client: Any) -> None:
+    steps = 8
+    model = itorch.offload(gpt2(), client, namespace="delayed")
+    losses = run_steps(model, itorch.AdamW(model.parameters(), lr=3e-3, delay_update=True),
+                       steps)
+    expected = delayed_reference(steps)
+    assert losses == pytest.approx(expected, rel=RTOL)
+    plain = plain_losses_on(steps)
+    assert losses[0] == pytest.approx(plain[0], rel=RTOL)  # both start from the same weights
+    assert losses[3:] != pytest.approx(plain[3:], rel=1e-3)  # then the update lags one step
+
+
+def plain_losses_on(steps: int) -> list[float]:
+    model = gpt2()
+    return run_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False), steps)
+
+
+def run_steps(model: Any, optimizer: Any, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        batch = batch_of(step)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_after_synchronize_the_delayed_update_computes_with_the_last_steps_parameters(
+        client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="published")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3, delay_update=True)
+    state = itorch.offload_state(model)
+    for _ in range(3):
+        loss_of(model).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    for name, param in state.stored_names():
+        with client.get(name + ".master", namespace="published") as master:
+            assert torch.equal(state.parameter(param), master), name
+
+
+def test_the_delayed_update_needs_the_overlap(client: Any) -> None:
+    from infinity.errors import InvalidRequestError
+
+    model = itorch.offload(gpt2(), client, namespace="nodelay")
+    with pytest.raises(InvalidRequestError, match="delay_update"):
+        itorch.AdamW(model.parameters(), delay_update=True, overlap=False)

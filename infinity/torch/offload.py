@@ -78,6 +78,10 @@ class _Param:
     holders: list[tuple["_Unit", torch.Tensor]] = field(default_factory=list)
     units: list["_Unit"] = field(default_factory=list)  # the modules that use it (tied: several)
     step: Any = None  # the optimizer step still updating it in the daemon (a PendingAdamStep)
+    read_name: str = ""  # what the module computes with: `name`, or the optimizer's second copy
+
+    def __post_init__(self) -> None:
+        self.read_name = self.read_name or self.name
 
 
 class _SavedParam:
@@ -99,7 +103,7 @@ class _Unit:
         self.module = module
         self.name = name
         self.entries = entries
-        self.names = [entry.name for entry in entries]
+        self.names = [entry.read_name for entry in entries]
         # The module's own parameter slots as offload found them: a parameter replaced later
         # (module.weight = nn.Parameter(...)) would compute with values the store never saw.
         self.slots = [(slot, param) for slot, param in module._parameters.items()
@@ -313,6 +317,14 @@ class OffloadState:
                         other.step = None
                         self._steps_pending -= 1
 
+    def read_from(self, names: dict[str, str]) -> None:
+        """Compute with other stored copies of some parameters from their next use on (stored
+        name -> copy's name; the optimizer's delayed update alternates two copies)."""
+        for entry in self.params:
+            entry.read_name = names.get(entry.name, entry.read_name)
+        for unit in self.units:
+            unit.names = [entry.read_name for entry in unit.entries]
+
     # --- what the optimizer and the user call ------------------------------------------------
 
     def zero_grad(self) -> None:
@@ -335,10 +347,10 @@ class OffloadState:
             return stored.clone()
 
     def parameter(self, param: nn.Parameter) -> torch.Tensor:
-        """A copy of a parameter's value as stored."""
+        """A copy of a parameter's value as stored (the copy the module computes with)."""
         entry = self._entry(param)
         self.settle_steps((entry,))
-        with self.client.get(entry.name, namespace=self.config.namespace) as stored:
+        with self.client.get(entry.read_name, namespace=self.config.namespace) as stored:
             return stored.clone()
 
     def stored_names(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -17,7 +17,17 @@ reads the state from NVMe, steps it and writes it back while the trainer compute
 results are exactly those of a step that waited (each parameter is read after its update). An
 error of the step is raised where it is waited for (the next forward's use of those parameters,
 or `synchronize()`); `state_dict()` and `load_state_dict()` wait for it first. `overlap=False`
-makes `step()` wait. `param_groups` are read at every step (lr, betas, eps, weight_decay), so
+makes `step()` wait.
+
+`delay_update=True` (off by default: it changes the numerics) is ZeRO-Offload's delayed
+parameter update: the next forward does not wait for the step at all but computes with the
+parameters from before it, so the step overlaps the whole next forward and backward; each
+forward then uses parameters one step older than the plain schedule's. Each parameter gets an
+fp32 master copy and a second copy of itself (`<name>.next`): the step updates the master and
+writes one copy while the module computes with the other, and `step()` (or `synchronize()`)
+switches the module to the copy the last step wrote once that step is done.
+
+`param_groups` are read at every step (lr, betas, eps, weight_decay), so
 `torch.optim.lr_scheduler` schedulers work; `zero_grad()` makes the next backward replace the
 stored gradients; `state_dict()` / `load_state_dict()` carry the moments (read from and written to
 the store) and the step counts.
@@ -58,7 +68,7 @@ class _StoreAdam(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, delay_update: bool = False) -> None:
         unsupported = {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
                        "differentiable": differentiable, "foreach": bool(foreach),
                        "fused": bool(fused)}
@@ -68,12 +78,21 @@ class _StoreAdam(torch.optim.Optimizer):
                     f"{type(self).__name__}({option}=True) is not supported: the step runs in "
                     f"infinityd with its own fused kernel; leave {option} at its default")
         _check_hyper(lr, betas, eps, weight_decay)
+        if delay_update and not overlap:
+            raise InvalidRequestError(
+                f"{type(self).__name__}(delay_update=True, overlap=False): the delayed update "
+                f"exists to overlap the step with the next forward and backward; drop one")
         # torch's keys, so code that reads a group (schedulers, Trainer, state_dict users)
         # finds what it expects; the options are fixed, and checked again at each step.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False, foreach=None, capturable=False, differentiable=False,
                         fused=None, decoupled_weight_decay=self.decoupled)
         self._steppers: dict[int, Any] = {}  # id(client) -> its AdamStepper
+        self._delay_update = delay_update
+        # The delayed update's step in flight, and per offload state the copies it writes
+        # (stored name -> the copy's name), which the module computes with once it is done.
+        self._delayed: list[Any] = []
+        self._written: dict[int, tuple[OffloadState, dict[str, str]]] = {}
         super().__init__(params, defaults)
         self._owners: dict[int, OffloadState] = {}
         self._grad_scale = 1.0
@@ -105,17 +124,24 @@ class _StoreAdam(torch.optim.Optimizer):
             client.write_from(names["exp_avg"], torch.zeros(shape), namespace=namespace)
         if not wanted["exp_avg_sq"]:
             client.write_from(names["exp_avg_sq"], torch.zeros(shape), namespace=namespace)
-        if names["master"] and not wanted["master"]:
-            master = torch.empty(shape, dtype=entry.placeholder.dtype)
-            client.read_into(entry.name, master, namespace=namespace)
-            client.write_from(names["master"], master.float(), namespace=namespace)
+        if (names["master"] and not wanted["master"]) or (names["copy"] and not wanted["copy"]):
+            value = torch.empty(shape, dtype=entry.placeholder.dtype)
+            client.read_into(entry.read_name, value, namespace=namespace)
+            if names["master"] and not wanted["master"]:
+                client.write_from(names["master"], value.float(), namespace=namespace)
+            if names["copy"] and not wanted["copy"]:
+                client.write_from(names["copy"], value, namespace=namespace)
 
-    @staticmethod
-    def _names(state: OffloadState, param: nn.Parameter) -> dict[str, str]:
+    def _names(self, state: OffloadState, param: nn.Parameter) -> dict[str, str]:
+        """The stored names of a parameter's optimizer state. With the delayed update every
+        parameter has an fp32 master copy and a second copy of itself (`.next`): the step
+        writes one copy while the module computes with the other."""
         entry = state.entry_of(param)
-        low_precision = entry.placeholder.dtype != torch.float32
+        delayed = self._delay_update
+        master = delayed or entry.placeholder.dtype != torch.float32
         return {"exp_avg": entry.name + ".exp_avg", "exp_avg_sq": entry.name + ".exp_avg_sq",
-                "master": entry.name + ".master" if low_precision else ""}
+                "master": entry.name + ".master" if master else "",
+                "copy": entry.name + ".next" if delayed else ""}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -132,7 +158,8 @@ class _StoreAdam(torch.optim.Optimizer):
                 f"{type(self).__name__}.step(closure) is not supported: compute the loss and "
                 f"call backward() before step()")
         # A step sent before must be done before this one leases its tensors again (the next
-        # forward waited for it already, but for parameters it did not use).
+        # forward waited for it already, but for parameters it did not use). The delayed
+        # update's last step is published here: the module computes with it from now on.
         self.synchronize()
         requests: dict[tuple[int, str], list[tuple[OffloadState, _Param, wire.AdamItem]]] = {}
         groups: list[wire.AdamGroup] = []
@@ -153,12 +180,16 @@ class _StoreAdam(torch.optim.Optimizer):
                     continue  # no gradient since zero_grad: torch skips it too
                 entry = state.entry_of(param)
                 names = self._names(state, param)
+                target = entry.name
+                if self._delay_update:  # the copy the module does not compute with
+                    target = names["copy"] if entry.read_name == entry.name else entry.name
+                    self._written.setdefault(id(state), (state, {}))[1][entry.name] = target
                 param_state = self.state[param]
                 step = int(param_state.get("step", torch.tensor(0.0)).item()) + 1
                 param_state["step"] = torch.tensor(float(step))
                 key = (id(state.client), state.config.namespace)
                 requests.setdefault(key, []).append((state, entry, wire.AdamItem(
-                    entry.name, entry.grad_name, names["master"], names["exp_avg"],
+                    target, entry.grad_name, names["master"], names["exp_avg"],
                     names["exp_avg_sq"], index, step)))
         self._grad_scale = 1.0
         for (_, namespace), items in requests.items():
@@ -178,6 +209,10 @@ class _StoreAdam(torch.optim.Optimizer):
                 continue
             batch = items[start:end]
             pending = stepper.send(groups, [item for _, _, item in batch], namespace=namespace)
+            if self._delay_update:  # the module goes on with the other copy: nothing waits
+                self._delayed.append(pending)
+                start, nbytes = end, 0
+                continue
             by_state: dict[int, tuple[OffloadState, list[_Param]]] = {}
             for state, entry, _ in batch:
                 by_state.setdefault(id(state), (state, []))[1].append(entry)
@@ -187,9 +222,18 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until the steps sent are applied in the daemon; raise the first error one met
-        (the step of the other parameters is applied)."""
+        (the step of the other parameters is applied). With the delayed update, the module
+        computes with the last step's parameters from here on."""
         for state in {id(s): s for s in self._owners.values()}.values():
             state.settle_steps()
+        if self._delayed or self._written:
+            pending, self._delayed = self._delayed, []
+            written, self._written = self._written, {}
+            for step in pending:
+                step.result()  # an error: the module keeps the copies it has (the master
+                # copies have the update; the next step writes it into the other copies)
+            for state, names in written.values():
+                state.read_from(names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward replaces the stored gradients (they left the process already)."""
