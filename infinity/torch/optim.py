@@ -15,7 +15,21 @@ the store) and the step counts.
 
 Gradient clipping: torch's `clip_grad_norm_` cannot see gradients that already left the process,
 so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients, and
-the factor that scales them applied inside the next step's pass.
+the factor that scales them applied inside the next step's pass. The norm adds up the sums of
+squares that `offload`'s gradient hook recorded as each gradient arrived (`OffloadState.grad_stats`),
+so clipping reads no gradient back; only a gradient without figures (written into the store by
+something else) is read.
+
+Loss scaling: `torch.amp.GradScaler` works unchanged (`scaler.scale(loss).backward()`, optionally
+`scaler.unscale_(optimizer)` and `optimizer.clip_grad_norm_`, `scaler.step(optimizer)`,
+`scaler.update()`). The optimizer sets `_step_supports_amp_scaling`, as torch's fused Adam does:
+the scaler hands it the scale, and the kernel multiplies the gradients by its inverse inside the
+step's pass. The scaler looks for overflows by reading each parameter's `.grad`, which an
+offloaded parameter no longer has, so its gradient pass (`GradScaler._unscale_grads_`, which both
+`unscale_` and `step` run) is redirected for these optimizers to the recorded figures: a
+non-finite gradient sets the scaler's `found_inf`, the whole step is skipped (no parameter,
+moment or step count changes) and `scaler.update()` backs the scale off as it does for torch's
+optimizers.
 
 Not supported (a clear InvalidRequestError): amsgrad, maximize, a closure, capturable,
 differentiable, foreach/fused (the daemon's kernel is the fused implementation), parameters that
@@ -32,7 +46,7 @@ from torch import nn
 
 from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
-from infinity.torch.offload import OffloadState, state_of_parameter
+from infinity.torch.offload import GradStats, OffloadState, measure_gradient, state_of_parameter
 
 __all__ = ["Adam", "AdamW"]
 
@@ -41,6 +55,8 @@ class _StoreAdam(torch.optim.Optimizer):
     """What Adam and AdamW share; `decoupled` says which of the two."""
 
     decoupled = True
+    # torch.amp.GradScaler.step then hands the step its scale and found_inf (as to fused Adam).
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -63,10 +79,12 @@ class _StoreAdam(torch.optim.Optimizer):
                         fused=None, decoupled_weight_decay=self.decoupled)
         super().__init__(params, defaults)
         self._owners: dict[int, OffloadState] = {}
-        self._grad_scale = 1.0
+        self._clip_factor = 1.0    # from clip_grad_norm_, for the next step
+        self._unscaled_by = 1.0    # 1 / loss scale, where a GradScaler's unscale_ asked for it
         for group in self.param_groups:
             for param in group["params"]:
                 self._adopt(param)
+        _let_grad_scalers_see_stored_gradients()
 
     # --- the parameters' state in the store -----------------------------------------------
 
@@ -115,6 +133,9 @@ class _StoreAdam(torch.optim.Optimizer):
             raise InvalidRequestError(
                 f"{type(self).__name__}.step(closure) is not supported: compute the loss and "
                 f"call backward() before step()")
+        grad_scale = self._take_grad_scale()
+        if grad_scale is None:
+            return  # a loss scaler found an overflow: torch skips the step, so do we
         requests: dict[tuple[int, str], tuple[Any, list[wire.AdamItem]]] = {}
         groups: list[wire.AdamGroup] = []
         for index, group in enumerate(self.param_groups):
@@ -127,7 +148,7 @@ class _StoreAdam(torch.optim.Optimizer):
             _check_hyper(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
             groups.append(wire.AdamGroup(float(group["lr"]), float(beta1), float(beta2),
                                          float(group["eps"]), float(group["weight_decay"]),
-                                         self.decoupled, float(self._grad_scale)))
+                                         self.decoupled, grad_scale))
             for param in group["params"]:
                 state = self._owner(param)
                 if not state.has_gradient(param):
@@ -141,7 +162,6 @@ class _StoreAdam(torch.optim.Optimizer):
                 requests.setdefault(key, (state.client, []))[1].append(wire.AdamItem(
                     entry.name, entry.grad_name, names["master"], names["exp_avg"],
                     names["exp_avg_sq"], index, step))
-        self._grad_scale = 1.0
         for (_, namespace), (client, items) in requests.items():
             client.adam_step(groups, items, namespace=namespace)
 
@@ -153,19 +173,60 @@ class _StoreAdam(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients in the store: returns their total
         norm and scales them by max_norm / (norm + 1e-6) when that is below 1, inside the next
-        step's pass (the stored gradients are not rewritten)."""
+        step's pass (the stored gradients are not rewritten, nor read: the norm comes from the
+        figures recorded as they arrived). After `GradScaler.unscale_(optimizer)` it is the norm
+        of the unscaled gradients, as torch's is."""
         if norm_type != 2.0:
             raise InvalidRequestError("clip_grad_norm_ supports the 2-norm (norm_type=2.0)")
-        total = 0.0
+        norm = math.sqrt(self._gradient_figures().sum_of_squares) * self._unscaled_by
+        coefficient = max_norm / (norm + 1e-6)
+        self._clip_factor = min(1.0, coefficient)
+        return torch.tensor(norm)
+
+    # --- gradient statistics and loss scaling ------------------------------------------------
+
+    def _gradient_figures(self) -> GradStats:
+        """The sum of squares of all gradients the next step applies, and whether any element is
+        non-finite: the figures the gradient hooks recorded, a gradient without them read."""
+        total, nonfinite = 0.0, False
         for group in self.param_groups:
             for param in group["params"]:
                 state = self._owner(param)
-                if state.has_gradient(param):
-                    total += float(state.gradient(param).double().pow(2).sum())
-        norm = math.sqrt(total)
-        coefficient = max_norm / (norm + 1e-6)
-        self._grad_scale = min(1.0, coefficient)
-        return torch.tensor(norm)
+                if not state.has_gradient(param):
+                    continue
+                figures = state.grad_stats(param)
+                if figures is None:  # stored by something other than the module's backward
+                    figures = measure_gradient(state.gradient(param))
+                total += figures.sum_of_squares
+                nonfinite = nonfinite or figures.nonfinite
+        return GradStats(total, nonfinite)
+
+    def _unscale_for_grad_scaler(self, inv_scale: torch.Tensor,
+                                 found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """What `GradScaler._unscale_grads_` does for in-process gradients, done for stored
+        ones: flag an overflow in `found_inf`, and remember the factor (1 / the loss scale
+        from `unscale_`; 1 from the scaler's check before a step) that the next step and
+        clipping apply instead of rewriting the gradients."""
+        if self._gradient_figures().nonfinite:
+            found_inf.fill_(1.0)
+        self._unscaled_by = float(inv_scale)
+        return {found_inf.device: found_inf}
+
+    def _take_grad_scale(self) -> float | None:
+        """The factor the kernel multiplies every gradient by in this step (the clipping
+        coefficient, and 1 / the loss scale where a GradScaler drives the step), or None where
+        the scaler found an overflow and the step is to be skipped; clears both for the next
+        step. `grad_scale` and `found_inf` are what `GradScaler.step` sets on the optimizer
+        around the call (grad_scale None: `unscale_` was called already)."""
+        factor = self._clip_factor * self._unscaled_by
+        self._clip_factor = self._unscaled_by = 1.0
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            return None
+        loss_scale = getattr(self, "grad_scale", None)
+        if loss_scale is not None:
+            factor /= float(loss_scale)
+        return factor
 
     def _owner(self, param: nn.Parameter) -> OffloadState:
         state = self._owners.get(id(param))
@@ -224,6 +285,26 @@ class Adam(_StoreAdam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, **options: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **options)
+
+
+def _let_grad_scalers_see_stored_gradients() -> None:
+    """Redirect `torch.amp.GradScaler`'s gradient pass, for our optimizers only, to their
+    recorded gradient figures (see the module's docstring); other optimizers keep torch's.
+    Installed once, by the first optimizer built; torch's CUDA scaler inherits it."""
+    scaler_class = torch.amp.GradScaler
+    plain = scaler_class._unscale_grads_
+    if getattr(plain, "infinity_redirect", False):
+        return
+
+    def unscale_grads(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                      inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                      allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if isinstance(optimizer, _StoreAdam):
+            return optimizer._unscale_for_grad_scaler(inv_scale, found_inf)
+        return plain(scaler, optimizer, inv_scale, found_inf, allow_fp16)
+
+    unscale_grads.infinity_redirect = True  # type: ignore[attr-defined]
+    scaler_class._unscale_grads_ = unscale_grads  # type: ignore[method-assign, assignment]
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
