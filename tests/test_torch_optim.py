@@ -155,6 +155,32 @@ def test_parameters_that_were_not_offloaded_are_a_typed_error(client: Any) -> No
         itorch.AdamW(nn.Linear(3, 3).parameters())
 
 
+def test_a_parameter_group_the_store_does_not_know_is_a_typed_error_and_changes_nothing(
+        client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="groups")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(InvalidRequestError, match="not in the store.*offload"):
+        optimizer.add_param_group({"params": nn.Linear(3, 3).parameters(), "lr": 1e-3})
+    assert len(optimizer.param_groups) == 1
+    losses = train(model, optimizer, steps=3)  # the optimizer steps on as before
+    assert losses[-1] < losses[0]
+
+
+def test_a_parameter_group_of_another_offloaded_module_is_stepped_with_its_own_lr(
+        client: Any) -> None:
+    model = itorch.offload(gpt2(), client, namespace="main")
+    extra = itorch.offload(nn.Linear(4, 4), client, namespace="extra")
+    optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
+    optimizer.add_param_group({"params": extra.parameters(), "lr": 0.0, "weight_decay": 0.0})
+    state = itorch.offload_state(extra)
+    before = {name: state.parameter(param) for name, param in state.stored_names()}
+    extra(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    for name, param in state.stored_names():  # lr 0: stepped, and unchanged
+        assert torch.equal(state.parameter(param), before[name]), name
+    assert all(float(optimizer.state[p]["step"]) == 1.0 for p in extra.parameters())
+
+
 def trainer_losses(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> list[float]:
     from transformers import Trainer, TrainingArguments
 

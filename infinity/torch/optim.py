@@ -89,12 +89,7 @@ class _StoreAdam(torch.optim.Optimizer):
     # --- the parameters' state in the store -----------------------------------------------
 
     def _adopt(self, param: nn.Parameter) -> None:
-        state = state_of_parameter(param)
-        if state is None:
-            raise InvalidRequestError(
-                "a parameter given to the optimizer is not in the store; call "
-                "infinity.torch.offload(model, client, namespace=...) before building the "
-                "optimizer, and pass model.parameters()")
+        state = _require_offloaded(param)
         self._owners[id(param)] = state
         entry = state.entry_of(param)
         names = self._names(state, param)
@@ -120,8 +115,17 @@ class _StoreAdam(torch.optim.Optimizer):
                 "master": entry.name + ".master" if low_precision else ""}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        adding_later = hasattr(self, "_owners")  # not from torch's __init__
+        if adding_later:
+            # Checked before torch keeps the group: a refused group leaves the optimizer as it
+            # was, so the next step still works.
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            for param in params:
+                _require_offloaded(param)
         super().add_param_group(param_group)
-        if hasattr(self, "_owners"):  # a group added after construction
+        if adding_later:
             for param in self.param_groups[-1]["params"]:
                 self._adopt(param)
 
@@ -285,6 +289,17 @@ class Adam(_StoreAdam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, **options: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **options)
+
+
+def _require_offloaded(param: Any) -> OffloadState:
+    """The offload state holding `param`, or the typed error saying what to do."""
+    state = state_of_parameter(param) if isinstance(param, nn.Parameter) else None
+    if state is None:
+        raise InvalidRequestError(
+            "a parameter given to the optimizer is not in the store; call "
+            "infinity.torch.offload(model, client, namespace=...) before building the "
+            "optimizer (or adding a parameter group), and pass that model's parameters")
+    return state
 
 
 def _let_grad_scalers_see_stored_gradients() -> None:
