@@ -270,6 +270,56 @@ def test_bfloat16_parameters_train_from_float32_master_copies(client: Any) -> No
             assert torch.equal(state.parameter(param), master.to(torch.bfloat16)), name
 
 
+def trainer_peak_rss(daemon: Any, *, width: int, depth: int, batch: int) -> dict[str, int]:
+    """Train a stack of `depth` linear layers in a fresh process (so no allocator history is
+    shared between runs) and return what it measured: its resident memory's peak during three
+    steps after a warm-up step, and its parameter count.
+
+    glibc's malloc raises its mmap threshold to the size of each large block freed, so where
+    later blocks land (and whether freeing them gives memory back) depends on the order of
+    frees; that moved the peak of two identical runs by 10 MB here. A fixed threshold
+    (MALLOC_MMAP_THRESHOLD_) makes the peak what the trainer holds (identical runs then agree
+    within 1 MB)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "offloaded_trainer_rss.py")
+    done = subprocess.run(
+        [sys.executable, script, os.path.join(daemon.root, "settings.toml"), daemon.runtime_dir,
+         str(width), str(depth), str(batch), "3"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured: dict[str, int] = json.loads(done.stdout.splitlines()[-1])
+    return measured
+
+
+def test_the_trainers_memory_does_not_grow_with_the_model(daemon_factory: Any) -> None:
+    """Two stacks of 1024-wide linear layers, 4 and 16 deep (4x the parameters; the larger's
+    training state 5.6x the CPU tier, on NVMe): the trainers' resident peaks differ by less than
+    the largest layer plus the activations. The allowance: the layer twice (its parameters in
+    use and its gradient before it leaves for the store) and what autograd saves of the larger
+    model (each layer's input and its ReLU's output). A trainer that held the model would differ
+    by the 12 extra layers' 50 MB."""
+    from conftest import PREFETCH_SETTINGS
+
+    tier_bytes = 48 << 20  # room for one layer's whole state (4 x 4 MB) several times over
+    daemon = daemon_factory(nvme_tier=True, **{**PREFETCH_SETTINGS, "cpu.budget_bytes": tier_bytes,
+                                               "cpu.segment_bytes": 8 << 20})
+    width, batch = 1024, 8
+    small = trainer_peak_rss(daemon, width=width, depth=4, batch=batch)
+    large = trainer_peak_rss(daemon, width=width, depth=16, batch=batch)
+    assert large["parameters"] >= 4 * small["parameters"]
+    assert large["parameters"] * 4 * 4 >= 4 * tier_bytes  # parameter, gradient, both moments
+    layer_bytes = (width * width + width) * 4
+    activation_bytes = 2 * 16 * batch * width * 4
+    allowance = 2 * layer_bytes + activation_bytes
+    difference = abs(large["peak_rss_bytes"] - small["peak_rss_bytes"])
+    assert difference < allowance, (small, large, allowance)
+
+
 BF16_ROUNDING = 2.0 ** -9  # bfloat16 keeps 8 significant bits: relative rounding error <= 2^-9
 
 
