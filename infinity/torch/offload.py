@@ -83,7 +83,8 @@ class GradStats:
 
 
 def measure_gradient(grad: torch.Tensor) -> GradStats:
-    """The statistics of a gradient in this process's memory (the native SIMD pass; no copy)."""
+    """The statistics of a gradient in this process's memory: one native SIMD pass over it
+    (copied first only where it is not contiguous on the CPU)."""
     grad = grad.detach()
     if not grad.is_contiguous() or grad.device.type != "cpu":
         grad = grad.cpu().contiguous()

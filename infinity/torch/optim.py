@@ -307,9 +307,9 @@ def _let_grad_scalers_see_stored_gradients() -> None:
     recorded gradient figures (see the module's docstring); other optimizers keep torch's.
     Installed once, by the first optimizer built; torch's CUDA scaler inherits it."""
     scaler_class = torch.amp.GradScaler
-    plain = scaler_class._unscale_grads_
-    if getattr(plain, "infinity_redirect", False):
-        return
+    plain = getattr(scaler_class, "_unscale_grads_", None)
+    if plain is None or getattr(plain, "infinity_redirect", False):
+        return  # redirected already, or a torch whose scaler is built otherwise
 
     def unscale_grads(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
                       inv_scale: torch.Tensor, found_inf: torch.Tensor,
