@@ -88,6 +88,22 @@ def test_a_gradient_without_recorded_figures_is_read_back(client: Any) -> None:
     assert gets > before[0] and leased > before[1]
 
 
+def test_after_the_scalers_unscale_the_clipping_norm_is_that_of_the_unscaled_gradients(
+        client: Any) -> None:
+    reference = gpt2()
+    model = itorch.offload(gpt2(), client, namespace="unscaled")
+    optimizer = itorch.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # a power of 2: scaling is exact
+    ids = micro_batches(1)[0]
+    torch.manual_seed(0)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    torch.manual_seed(0)
+    scaler.scale(model(input_ids=ids, labels=ids).loss).backward()
+    scaler.unscale_(optimizer)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    assert float(optimizer.clip_grad_norm_(0.05)) == pytest.approx(float(expected), rel=1e-6)
+
+
 # --- fp16 with torch.amp.GradScaler -------------------------------------------------------------
 
 
