@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from infinity import _native
-from infinity.errors import InvalidRequestError, NotFoundError
+from infinity.errors import InvalidRequestError, NotFoundError, ProtocolError
 from infinity.protocol.wire import AdamGroup, AdamItem
 
 GROUP = AdamGroup(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
@@ -103,6 +103,19 @@ def test_a_failed_item_is_reported_and_the_others_are_applied(client: Any) -> No
     with pytest.raises(NotFoundError):
         client.adam_step([GROUP], [item("missing")])
     client.adam_step([GROUP], [item("good", step=2)])  # the daemon serves on, leases all given back
+    assert client.stats()["catalog"]["num_leases"] == 0
+
+
+def test_an_item_naming_a_group_the_request_lacks_is_a_typed_error_and_the_daemon_serves_on(
+        client: Any) -> None:
+    state = store_state(client, "w", 17)
+    stray = AdamItem("w", "w.grad", "", "w.exp_avg", "w.exp_avg_sq", 3, 1)
+    with pytest.raises(ProtocolError, match="names group 3 of 1; send every group"):
+        client.adam_step([GROUP], [stray])
+    assert torch.equal(read(client, "w"), state["param"])  # nothing was applied
+    client.adam_step([GROUP], [item("w")])
+    reference_step(state, 1)
+    assert torch.equal(read(client, "w"), state["param"])
     assert client.stats()["catalog"]["num_leases"] == 0
 
 

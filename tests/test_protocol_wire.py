@@ -308,7 +308,7 @@ def test_a_multi_the_daemon_would_refuse_is_refused_before_sending() -> None:
 def test_an_adam_item_naming_a_group_the_request_lacks_is_malformed() -> None:
     body = wire.AdamStep("ns", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0),),
                          (wire.AdamItem("w", "w.grad", "", "m", "v", 1, 1),)).body()
-    with pytest.raises(ProtocolError, match="names group 1 of 1"):
+    with pytest.raises(ProtocolError, match="names group 1 of 1; send every group"):
         wire.AdamStep.from_body(body)
 
 

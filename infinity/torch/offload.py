@@ -20,6 +20,12 @@ autograd summed every use of it, tied weights included), writes it into the stor
 gradient-accumulation micro-batches add up in shared memory) and drops it from the process. The
 unit's lease ends once all of its gradients have left, or at the end of backward.
 
+The same hook records the gradient's statistics (its sum of squares and whether any element is
+inf or NaN, from the native SIMD `grad_stats`) as it will be stepped: the gradient put, or after
+accumulation the stored sum, measured while it is still in cache under the hook's lease. The
+optimizer's clipping and a loss scaler's overflow check add these figures up instead of reading
+every gradient back (`grad_stats`).
+
 On a machine without a GPU the CPU computes on the views directly. The CUDA path (copies on a
 side stream into a device budget, `infinity.client.device.DeviceCache`) is not built yet: a module
 with a parameter on a GPU is refused with a sentence saying so.
@@ -36,8 +42,9 @@ import torch
 from torch import nn
 
 from infinity.errors import InvalidRequestError
+from infinity.io.native import native
 
-__all__ = ["OffloadConfig", "OffloadState", "offload", "offload_state"]
+__all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, OffloadState]" = weakref.WeakKeyDictionary()
 
@@ -65,6 +72,25 @@ class OffloadConfig:
         if not self.namespace:
             raise InvalidRequestError("namespace is empty; name the namespace the model's state "
                                       "lives in, e.g. offload(model, client, namespace='gpt2')")
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What clipping and a loss scaler need of one stored gradient."""
+
+    sum_of_squares: float  # of its elements, summed in double: inf or NaN where an element is
+    nonfinite: bool        # any element inf or NaN
+
+
+def measure_gradient(grad: torch.Tensor) -> GradStats:
+    """The statistics of a gradient in this process's memory: one native SIMD pass over it
+    (copied first only where it is not contiguous on the CPU)."""
+    grad = grad.detach()
+    if not grad.is_contiguous() or grad.device.type != "cpu":
+        grad = grad.cpu().contiguous()
+    dtype = str(grad.dtype).removeprefix("torch.")
+    sum_of_squares, nonfinite = native().grad_stats(grad.data_ptr(), dtype, grad.numel())
+    return GradStats(sum_of_squares, nonfinite)
 
 
 @dataclass(eq=False)
@@ -146,6 +172,7 @@ class OffloadState:
         # share (a segment): sorted starts, and the entries, for the saved-tensor hook.
         self._spans: dict[int, tuple[list[int], list[_Param]]] = {}
         self._fresh_grads: set[str] = set()
+        self._grad_stats: dict[str, GradStats] = {}  # by gradient name, since the last zero_grad
         self._saved_hooks: Any = None
         self._end_of_backward_queued = False
         # The parameters in the order the last forward used them first (the optimizer steps
@@ -280,9 +307,11 @@ class OffloadState:
         if entry.grad_name in self._fresh_grads:
             self.client.put(entry.grad_name, grad, namespace=namespace)
             self._fresh_grads.discard(entry.grad_name)
+            self._record_grad_stats(entry, grad)
         else:
             with self.client.get(entry.grad_name, namespace=namespace, exclusive=True) as stored:
                 stored.add_(grad)
+                self._record_grad_stats(entry, stored)  # the sum, while the lease holds it
         param.grad = None  # the gradient lives in the store now, not in this process
         for unit in entry.units:
             if unit.in_backward:
@@ -325,11 +354,23 @@ class OffloadState:
         for unit in self.units:
             unit.names = [entry.read_name for entry in unit.entries]
 
+    def _record_grad_stats(self, entry: _Param, grad: torch.Tensor) -> None:
+        """Keep the statistics of the gradient the next step applies to `entry` (replacing
+        those of an earlier micro-batch: `grad` is the stored sum then)."""
+        self._grad_stats[entry.grad_name] = measure_gradient(grad)
+
     # --- what the optimizer and the user call ------------------------------------------------
 
     def zero_grad(self) -> None:
         """The next gradients replace the stored ones instead of adding to them."""
         self._fresh_grads = {entry.grad_name for entry in self.params}
+        self._grad_stats.clear()
+
+    def grad_stats(self, param: nn.Parameter) -> GradStats | None:
+        """The statistics the gradient hook recorded of `param`'s stored gradient since the
+        last `zero_grad`; None where it recorded none (no gradient, or one written into the
+        store by something other than this module's backward)."""
+        return self._grad_stats.get(self._entry(param).grad_name)
 
     def has_gradient(self, param: nn.Parameter) -> bool:
         """Whether a gradient of `param` reached the store since the last `zero_grad`."""

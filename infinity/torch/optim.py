@@ -34,7 +34,21 @@ the store) and the step counts.
 
 Gradient clipping: torch's `clip_grad_norm_` cannot see gradients that already left the process,
 so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients, and
-the factor that scales them applied inside the next step's pass.
+the factor that scales them applied inside the next step's pass. The norm adds up the sums of
+squares that `offload`'s gradient hook recorded as each gradient arrived (`OffloadState.grad_stats`),
+so clipping reads no gradient back; only a gradient without figures (written into the store by
+something else) is read.
+
+Loss scaling: `torch.amp.GradScaler` works unchanged (`scaler.scale(loss).backward()`, optionally
+`scaler.unscale_(optimizer)` and `optimizer.clip_grad_norm_`, `scaler.step(optimizer)`,
+`scaler.update()`). The optimizer sets `_step_supports_amp_scaling`, as torch's fused Adam does:
+the scaler hands it the scale, and the kernel multiplies the gradients by its inverse inside the
+step's pass. The scaler looks for overflows by reading each parameter's `.grad`, which an
+offloaded parameter no longer has, so its gradient pass (`GradScaler._unscale_grads_`, which both
+`unscale_` and `step` run) is redirected for these optimizers to the recorded figures: a
+non-finite gradient sets the scaler's `found_inf`, the whole step is skipped (no parameter,
+moment or step count changes) and `scaler.update()` backs the scale off as it does for torch's
+optimizers.
 
 Not supported (a clear InvalidRequestError): amsgrad, maximize, a closure, capturable,
 differentiable, foreach/fused (the daemon's kernel is the fused implementation), parameters that
@@ -51,7 +65,8 @@ from torch import nn
 
 from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
-from infinity.torch.offload import OffloadState, _Param, state_of_parameter
+from infinity.torch.offload import (GradStats, OffloadState, _Param, measure_gradient,
+                                    state_of_parameter)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -62,6 +77,8 @@ class _StoreAdam(torch.optim.Optimizer):
     """What Adam and AdamW share; `decoupled` says which of the two."""
 
     decoupled = True
+    # torch.amp.GradScaler.step then hands the step its scale and found_inf (as to fused Adam).
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -95,21 +112,18 @@ class _StoreAdam(torch.optim.Optimizer):
         self._written: dict[int, tuple[OffloadState, dict[str, str]]] = {}
         super().__init__(params, defaults)
         self._owners: dict[int, OffloadState] = {}
-        self._grad_scale = 1.0
+        self._clip_factor = 1.0    # from clip_grad_norm_, for the next step
+        self._unscaled_by = 1.0    # 1 / loss scale, where a GradScaler's unscale_ asked for it
         self._overlap = overlap
         for group in self.param_groups:
             for param in group["params"]:
                 self._adopt(param)
+        _let_grad_scalers_see_stored_gradients()
 
     # --- the parameters' state in the store -----------------------------------------------
 
     def _adopt(self, param: nn.Parameter) -> None:
-        state = state_of_parameter(param)
-        if state is None:
-            raise InvalidRequestError(
-                "a parameter given to the optimizer is not in the store; call "
-                "infinity.torch.offload(model, client, namespace=...) before building the "
-                "optimizer, and pass model.parameters()")
+        state = _require_offloaded(param)
         self._owners[id(param)] = state
         if id(state.client) not in self._steppers:  # its socket is attached now, not mid-step
             self._steppers[id(state.client)] = state.client.adam_stepper()
@@ -144,8 +158,17 @@ class _StoreAdam(torch.optim.Optimizer):
                 "copy": entry.name + ".next" if delayed else ""}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        adding_later = hasattr(self, "_owners")  # not from torch's __init__
+        if adding_later:
+            # Checked before torch keeps the group: a refused group leaves the optimizer as it
+            # was, so the next step still works.
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            for param in params:
+                _require_offloaded(param)
         super().add_param_group(param_group)
-        if hasattr(self, "_owners"):  # a group added after construction
+        if adding_later:
             for param in self.param_groups[-1]["params"]:
                 self._adopt(param)
 
@@ -161,6 +184,9 @@ class _StoreAdam(torch.optim.Optimizer):
         # forward waited for it already, but for parameters it did not use). The delayed
         # update's last step is published here: the module computes with it from now on.
         self.synchronize()
+        grad_scale = self._take_grad_scale()
+        if grad_scale is None:
+            return  # a loss scaler found an overflow: torch skips the step, so do we
         requests: dict[tuple[int, str], list[tuple[OffloadState, _Param, wire.AdamItem]]] = {}
         groups: list[wire.AdamGroup] = []
         for index, group in enumerate(self.param_groups):
@@ -173,7 +199,7 @@ class _StoreAdam(torch.optim.Optimizer):
             _check_hyper(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
             groups.append(wire.AdamGroup(float(group["lr"]), float(beta1), float(beta2),
                                          float(group["eps"]), float(group["weight_decay"]),
-                                         self.decoupled, float(self._grad_scale)))
+                                         self.decoupled, grad_scale))
             for param in group["params"]:
                 state = self._owner(param)
                 if not state.has_gradient(param):
@@ -191,7 +217,6 @@ class _StoreAdam(torch.optim.Optimizer):
                 requests.setdefault(key, []).append((state, entry, wire.AdamItem(
                     target, entry.grad_name, names["master"], names["exp_avg"],
                     names["exp_avg_sq"], index, step)))
-        self._grad_scale = 1.0
         for (_, namespace), items in requests.items():
             self._send(groups, _in_forward_order(items), namespace)
         if not self._overlap:
@@ -243,19 +268,60 @@ class _StoreAdam(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients in the store: returns their total
         norm and scales them by max_norm / (norm + 1e-6) when that is below 1, inside the next
-        step's pass (the stored gradients are not rewritten)."""
+        step's pass (the stored gradients are not rewritten, nor read: the norm comes from the
+        figures recorded as they arrived). After `GradScaler.unscale_(optimizer)` it is the norm
+        of the unscaled gradients, as torch's is."""
         if norm_type != 2.0:
             raise InvalidRequestError("clip_grad_norm_ supports the 2-norm (norm_type=2.0)")
-        total = 0.0
+        norm = math.sqrt(self._gradient_figures().sum_of_squares) * self._unscaled_by
+        coefficient = max_norm / (norm + 1e-6)
+        self._clip_factor = min(1.0, coefficient)
+        return torch.tensor(norm)
+
+    # --- gradient statistics and loss scaling ------------------------------------------------
+
+    def _gradient_figures(self) -> GradStats:
+        """The sum of squares of all gradients the next step applies, and whether any element is
+        non-finite: the figures the gradient hooks recorded, a gradient without them read."""
+        total, nonfinite = 0.0, False
         for group in self.param_groups:
             for param in group["params"]:
                 state = self._owner(param)
-                if state.has_gradient(param):
-                    total += float(state.gradient(param).double().pow(2).sum())
-        norm = math.sqrt(total)
-        coefficient = max_norm / (norm + 1e-6)
-        self._grad_scale = min(1.0, coefficient)
-        return torch.tensor(norm)
+                if not state.has_gradient(param):
+                    continue
+                figures = state.grad_stats(param)
+                if figures is None:  # stored by something other than the module's backward
+                    figures = measure_gradient(state.gradient(param))
+                total += figures.sum_of_squares
+                nonfinite = nonfinite or figures.nonfinite
+        return GradStats(total, nonfinite)
+
+    def _unscale_for_grad_scaler(self, inv_scale: torch.Tensor,
+                                 found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """What `GradScaler._unscale_grads_` does for in-process gradients, done for stored
+        ones: flag an overflow in `found_inf`, and remember the factor (1 / the loss scale
+        from `unscale_`; 1 from the scaler's check before a step) that the next step and
+        clipping apply instead of rewriting the gradients."""
+        if self._gradient_figures().nonfinite:
+            found_inf.fill_(1.0)
+        self._unscaled_by = float(inv_scale)
+        return {found_inf.device: found_inf}
+
+    def _take_grad_scale(self) -> float | None:
+        """The factor the kernel multiplies every gradient by in this step (the clipping
+        coefficient, and 1 / the loss scale where a GradScaler drives the step), or None where
+        the scaler found an overflow and the step is to be skipped; clears both for the next
+        step. `grad_scale` and `found_inf` are what `GradScaler.step` sets on the optimizer
+        around the call (grad_scale None: `unscale_` was called already)."""
+        factor = self._clip_factor * self._unscaled_by
+        self._clip_factor = self._unscaled_by = 1.0
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            return None
+        loss_scale = getattr(self, "grad_scale", None)
+        if loss_scale is not None:
+            factor /= float(loss_scale)
+        return factor
 
     def _owner(self, param: nn.Parameter) -> OffloadState:
         state = self._owners.get(id(param))
@@ -316,6 +382,37 @@ class Adam(_StoreAdam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, **options: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **options)
+
+
+def _require_offloaded(param: Any) -> OffloadState:
+    """The offload state holding `param`, or the typed error saying what to do."""
+    state = state_of_parameter(param) if isinstance(param, nn.Parameter) else None
+    if state is None:
+        raise InvalidRequestError(
+            "a parameter given to the optimizer is not in the store; call "
+            "infinity.torch.offload(model, client, namespace=...) before building the "
+            "optimizer (or adding a parameter group), and pass that model's parameters")
+    return state
+
+
+def _let_grad_scalers_see_stored_gradients() -> None:
+    """Redirect `torch.amp.GradScaler`'s gradient pass, for our optimizers only, to their
+    recorded gradient figures (see the module's docstring); other optimizers keep torch's.
+    Installed once, by the first optimizer built; torch's CUDA scaler inherits it."""
+    scaler_class = torch.amp.GradScaler
+    plain = getattr(scaler_class, "_unscale_grads_", None)
+    if plain is None or getattr(plain, "infinity_redirect", False):
+        return  # redirected already, or a torch whose scaler is built otherwise
+
+    def unscale_grads(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                      inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                      allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if isinstance(optimizer, _StoreAdam):
+            return optimizer._unscale_for_grad_scaler(inv_scale, found_inf)
+        return plain(scaler, optimizer, inv_scale, found_inf, allow_fp16)
+
+    unscale_grads.infinity_redirect = True  # type: ignore[attr-defined]
+    scaler_class._unscale_grads_ = unscale_grads  # type: ignore[method-assign, assignment]
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:

@@ -100,5 +100,6 @@ class AdamStep:
         for item in decoded_items:
             if item.group >= len(decoded_groups):
                 raise ProtocolError(f"malformed adam_step: item {item.param!r} names group "
-                                    f"{item.group} of {len(decoded_groups)}")
+                                    f"{item.group} of {len(decoded_groups)}; send every group "
+                                    f"the items name, in the order they index them")
         return cls(namespace, decoded_groups, decoded_items)
