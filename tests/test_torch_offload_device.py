@@ -109,6 +109,25 @@ def test_forward_and_stored_gradients_equal_plain_pytorch_through_device_copies(
     assert stats.misses == len(parameters) and stats.hits > 0, stats
 
 
+def test_a_bfloat16_model_computes_on_bfloat16_copies_and_its_gradients_are_summed_in_fp32(
+        client: Any) -> None:
+    reference = linear_stack().to(torch.bfloat16)
+    model = itorch.offload(linear_stack(), client, namespace="bf16", copier=CpuCopier(),
+                           param_dtype=torch.bfloat16)
+    x = torch.randn(5, 13, dtype=torch.bfloat16)
+    expected = reference(x).float().pow(2).mean()
+    expected.backward()
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    assert torch.equal(loss.detach(), expected.detach())
+    state = itorch.offload_state(model)
+    parameters = dict(reference.named_parameters())
+    for name, param in state.stored_names():
+        got = state.gradient(param)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, parameters[name].grad.float()), name
+
+
 def test_a_linear_stack_trains_with_the_losses_of_plain_pytorch(client: Any) -> None:
     reference = linear_stack()
     expected = train_stack(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3,
@@ -184,14 +203,14 @@ def test_micro_batches_replayed_with_prefetch_in_a_small_budget_train_like_pytor
     reference = gpt2()
     expected = train(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3,
                                                   weight_decay=0.1, foreach=False),
-                     steps=6, accumulation=2)
+                     steps=6, accumulation=2, clip=0.5)
     client = nvme_daemon.connect("trainer")
     try:
         budget = parameter_bytes(gpt2()) // 3
         model = itorch.offload(gpt2(), client, namespace="gpt2", copier=CpuCopier(),
                                device_budget_bytes=budget)
         got = train(model, itorch.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
-                    steps=6, accumulation=2)
+                    steps=6, accumulation=2, clip=0.5)
         assert_same_losses(got, expected)
         stats = device_cache(model).stats
         assert stats.prefetched > 0 and stats.evictions > 0, stats
@@ -230,6 +249,29 @@ def test_replayed_training_in_a_small_budget_leaves_the_daemons_step_no_lease_in
                 losses.append(float(loss.detach()))
         assert_same_losses(got, expected)
         assert device_cache(model).stats.prefetched > 0
+    finally:
+        client.close()
+
+
+def test_gradients_read_in_a_replayed_step_are_never_copied_into_device_memory(
+        nvme_daemon: RunningDaemon) -> None:
+    """A step of two micro-batches and clipping reads every gradient (summed under exclusive
+    leases, then their norm): the trace names them, but the device cache is for parameters."""
+    client = nvme_daemon.connect("trainer")
+    try:
+        model = itorch.offload(bias_free_stack(), client, namespace="stack", copier=CpuCopier(),
+                               mark_steps=False)
+        optimizer = itorch.AdamW(model.parameters(), lr=1e-3)
+        cache = device_cache(model)
+        for _ in range(4):  # recorded, then replayed: the cache prefetches
+            with client.step(namespace="stack"):
+                for _ in range(2):
+                    model(torch.randn(2, 31)).pow(2).sum().backward()
+                optimizer.clip_grad_norm_(1.0)
+            assert set(cache.cached()) <= {f"{i}.weight" for i in range(6)}, cache.cached()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert cache.stats.prefetched > 0
     finally:
         client.close()
 
