@@ -12,7 +12,7 @@ GPU is, and are skipped otherwise.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from conftest import RunningDaemon
 from infinity.client.device import CpuCopier
 from infinity.errors import InvalidRequestError
 from test_torch_optim import train
-from tiny_models import gpt2
+from tiny_models import gpt2, llama
 
 RTOL = 1e-5
 
@@ -137,12 +137,14 @@ def test_a_linear_stack_trains_with_the_losses_of_plain_pytorch(client: Any) -> 
     assert_same_losses(got, expected)
 
 
-def test_gpt2_trains_with_the_losses_of_plain_pytorch(client: Any) -> None:
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_a_transformers_model_trains_with_the_losses_of_plain_pytorch(
+        client: Any, build: Callable[[], nn.Module]) -> None:
     pytest.importorskip("transformers")
-    reference = gpt2()
+    reference = build()
     expected = train(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3,
                                                   weight_decay=0.1, foreach=False), steps=8)
-    model = itorch.offload(gpt2(), client, namespace="gpt2", copier=CpuCopier())
+    model = itorch.offload(build(), client, namespace="lm", copier=CpuCopier())
     got = train(model, itorch.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), steps=8)
     assert_same_losses(got, expected)
 
@@ -341,6 +343,13 @@ def test_a_device_the_copier_does_not_copy_to_is_a_typed_error(client: Any) -> N
 def test_a_device_that_is_neither_the_cpu_nor_cuda_is_a_typed_error(client: Any) -> None:
     with pytest.raises(InvalidRequestError, match="not on meta"):
         itorch.offload(linear_stack(), client, namespace="stack", device="meta")
+    assert client.list(namespace="stack") == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_a_gpu_is_a_typed_error_before_anything_is_stored(client: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="CUDA is not available"):
+        itorch.offload(linear_stack(), client, namespace="stack", device="cuda")
     assert client.list(namespace="stack") == []
 
 

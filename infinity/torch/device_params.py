@@ -8,7 +8,11 @@ its budget allows and its revision is current, so a unit called again (in backwa
 micro-batch) finds it in device memory, while a parameter the daemon's optimizer step rewrote
 (an exclusive lease, a new revision) is copied again. The daemon's step trace drives the cache's
 prefetch, limited to the parameters' names: gradients, read under exclusive leases when
-micro-batches add up, are never prefetched.
+micro-batches add up, are never prefetched. `zero_grad` (between a step and the next forward)
+drops the copies of what had gradients, so that the cache prefetches their new values instead of
+finding the old copies at the gets and copying on demand. At the end of backward the cache gives
+back its CPU-tier leases (a prefetch not yet used, the sources of copies under way), since the
+daemon's step must lease the parameters exclusively.
 
 Gradients come back through one host staging buffer (pinned on CUDA, so the copy from the device
 is DMA) as large as the largest gradient: the gradient hook gets a view of it and writes it into
