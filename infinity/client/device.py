@@ -13,7 +13,10 @@ while the caller computes, taken by the next get once it has its own tensor, so 
 get waits for one round trip, not two), and starts their copies, within the
 budget and without evicting anything needed sooner. `close()` a cache when done
 with it (or use it in a `with` block): until then the CPU-tier leases of its last
-copies and of its last prefetch request stay held. A cache dropped without
+copies and of its last prefetch request stay held; `settle()` gives them back
+and keeps the device copies (before someone must lease those tensors
+exclusively), and `discard(names)` drops copies about to be rewritten, so that
+prefetch brings the new bytes. A cache dropped without
 `close()` is closed when it is garbage-collected, as a file is: its leases go
 back then, not at a moment the caller chose.
 
