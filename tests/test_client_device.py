@@ -654,3 +654,70 @@ def test_close_gives_the_unused_prefetch_back_even_when_waiting_for_a_copy_fails
     assert cache._pending is None  # given back before the wait that failed
     assert leases_held(client) == 0  # the failed copy's source went back too
     client.close()
+
+
+def test_settle_gives_back_the_prefetch_not_yet_used_and_keeps_the_device_copies(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    cache = cache_with_a_prefetch_sent(client)
+    cached = cache.cached()
+    cache.settle()
+    assert leases_held(client) == 0  # an exclusive lease of those tensors may be granted now
+    assert cache.cached() == cached
+    misses = cache.stats.misses
+    with cache.get("layer1") as t:
+        assert t[0, 0].item() == 1
+    assert cache.stats.misses == misses
+
+
+def test_settle_waits_for_copies_under_way_before_giving_back_their_sources(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for name in ("a", "b"):
+        client.put(name, torch.full((1000,), float(ord(name))))
+    copier = UnfinishedCopier()
+    cache = DeviceCache(client, budget_bytes=8000, copier=copier, prefetch=False)
+    for name in ("a", "b"):
+        with cache.get(name):
+            pass
+    assert leases_held(client) == 2  # the copies still read the CPU tier
+    cache.settle()
+    assert len(copier.waited) == 2 and leases_held(client) == 0
+    assert set(cache.cached()) == {"a", "b"}
+
+
+def test_discard_drops_the_copies_nobody_holds_and_keeps_those_in_use(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    for name in ("a", "b"):
+        client.put(name, torch.full((1000,), float(ord(name))))
+    cache = DeviceCache(client, budget_bytes=8000, prefetch=False)
+    held = cache.get("a")
+    with cache.get("b"):
+        pass
+    cache.discard(["a", "b", "never-cached"])
+    assert set(cache.cached()) == {"a"} and cache.stats.used_bytes == 4000
+    held.release()
+    with cache.get("b") as t:  # copied again
+        assert t[0].item() == ord("b")
+    assert cache.stats.misses == 3
+
+
+def test_prefetch_names_keep_other_upcoming_tensors_out_of_device_memory(
+        roomy_nvme_daemon: RunningDaemon) -> None:
+    client = roomy_nvme_daemon.connect("trainer")
+    write_layers(client)
+    wanted = {f"layer{i}" for i in range(0, NUM_LAYERS, 2)}
+    cache = DeviceCache(client, budget_bytes=4 * LAYER_BYTES, copier=CpuCopier(),
+                        prefetch_names=wanted)
+    for _ in range(3):  # the trace reads every layer; the cache gets the even ones
+        with client.step():
+            for i in range(NUM_LAYERS):
+                if f"layer{i}" in wanted:
+                    with cache.get(f"layer{i}"):
+                        pass
+                else:
+                    with client.get(f"layer{i}"):
+                        pass
+            assert set(cache.cached()) <= wanted
+    assert cache.stats.prefetched > 0

@@ -13,7 +13,10 @@ while the caller computes, taken by the next get once it has its own tensor, so 
 get waits for one round trip, not two), and starts their copies, within the
 budget and without evicting anything needed sooner. `close()` a cache when done
 with it (or use it in a `with` block): until then the CPU-tier leases of its last
-copies and of its last prefetch request stay held. A cache dropped without
+copies and of its last prefetch request stay held; `settle()` gives them back
+and keeps the device copies (before someone must lease those tensors
+exclusively), and `discard(names)` drops copies about to be rewritten, so that
+prefetch brings the new bytes. A cache dropped without
 `close()` is closed when it is garbage-collected, as a file is: its leases go
 back then, not at a moment the caller chose.
 
@@ -37,7 +40,7 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Protocol
 
 import torch
 
@@ -296,12 +299,15 @@ class DeviceCache:
 
     `lookahead_entries` bounds how many upcoming tensors one window names. A tensor larger
     than the budget is TooLargeError; a get that finds the budget held by leased tensors is
-    TierFullError (release some, or give the cache a larger budget).
+    TierFullError (release some, or give the cache a larger budget). `prefetch_names`, when
+    given, are the only names the cache is meant for: the rest of what the trace names (a
+    trainer's gradients, read under exclusive leases) is left out of its windows, so that it
+    is neither prefetched into device memory nor leased away from the code that writes it.
     """
 
     def __init__(self, client: Client, *, budget_bytes: int, copier: DeviceCopier | None = None,
                  namespace: str = "default", lookahead_entries: int = 64,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, prefetch_names: Collection[str] | None = None) -> None:
         if budget_bytes <= 0:
             raise InvalidRequestError(f"budget_bytes is {budget_bytes}; give the device cache a "
                                       f"positive number of bytes")
@@ -315,6 +321,7 @@ class DeviceCache:
         self.namespace = namespace
         self.lookahead_entries = lookahead_entries
         self.prefetch_enabled = prefetch
+        self.prefetch_names = frozenset(prefetch_names) if prefetch_names is not None else None
         self.stats = DeviceCacheStats()
         self._entries: dict[str, _Entry] = {}
         self._orphans: list[_Entry] = []  # replaced while held: freed at their last release
@@ -414,6 +421,37 @@ class DeviceCache:
         except Exception:
             pass
 
+    def set_prefetch_names(self, names: Collection[str] | None) -> None:
+        """Change which names the cache is meant for (see the class docstring) from the next
+        prefetch on: the window already read from the trace is dropped."""
+        self.prefetch_names = frozenset(names) if names is not None else None
+        self._window = _Window()
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Drop the cached copies of `names` that nobody holds: a newer revision of them is
+        coming (an optimizer step is rewriting them), so the next prefetch copies the new bytes
+        ahead of their use, where a get would find the old copy and copy on demand."""
+        for name in names:
+            entry = self._entries.get(name)
+            if entry is not None and entry.holds == 0:
+                if entry.prefetched:
+                    self.stats.wasted_prefetches += 1
+                self._drop(entry)
+
+    def settle(self) -> None:
+        """Wait for the copies under way and give back every CPU-tier lease the cache holds
+        (its copies' sources, the last prefetch's answer), keeping what is in device memory:
+        before another party must lease those tensors exclusively (the daemon's optimizer step
+        writes the parameters in place)."""
+        try:
+            self._collect_prefetch(use=False)
+        finally:
+            for entry in [*self._entries.values(), *self._orphans]:
+                if entry.ticket is not None:
+                    self.copier.synchronize(entry.ticket)
+                    entry.ticket = None
+            self._reap()
+
     def clear(self) -> None:
         """Drop every cached tensor not held (their device memory goes back to torch), and give
         back the CPU-tier leases of copies that finished and of a prefetch not yet used."""
@@ -466,6 +504,8 @@ class DeviceCache:
         upcoming = self.client.upcoming(namespace=self.namespace,
                                         max_entries=self.lookahead_entries,
                                         max_bytes=min(4 * self.budget_bytes, _MAX_WINDOW_BYTES))
+        if self.prefetch_names is not None:
+            upcoming = [(n, size) for n, size in upcoming if n in self.prefetch_names]
         self._window = _Window([n for n, _ in upcoming], dict(upcoming))
         if not upcoming:
             self._quiet_gets = _QUIET_GETS

@@ -26,9 +26,22 @@ accumulation the stored sum, measured while it is still in cache under the hook'
 optimizer's clipping and a loss scaler's overflow check add these figures up instead of reading
 every gradient back (`grad_stats`).
 
-On a machine without a GPU the CPU computes on the views directly. The CUDA path (copies on a
-side stream into a device budget, `infinity.client.device.DeviceCache`) is not built yet: a module
-with a parameter on a GPU is refused with a sentence saying so.
+The module computes where its parameters are (or on `device=`). On the CPU it computes on the
+views directly, no copies. On a GPU (`infinity.torch.device_params`) a unit's lease is a lease of
+device copies from one `DeviceCache` per module tree, within `device_budget_bytes`: copied on a
+side stream from the pinned shared segments, the compute stream waiting on events, prefetched by
+the step trace, and copied again once the daemon's optimizer step has written a new revision.
+The saved-tensor hook recognises tensors in a present parameter's device memory as it does views,
+gradients come back to the host through a staging buffer and go into the store by the same hook,
+and the cache's CPU-tier leases go back at the end of backward (the step leases the parameters
+exclusively). The module's buffers stay where the user put them. `copier=CpuCopier()` makes the
+CPU a device that copies, so this path runs on machines without a GPU.
+
+The optimizer's step may still run in the daemon when the next forward starts
+(`infinity.torch.optim`): each parameter's `_Param.step` holds the step updating it, and a
+unit's acquire, the gradient hook and the reads below wait for it first (`settle_steps`); on a
+device, the cache leaves such parameters out of prefetch until then (the step leases them
+exclusively).
 """
 
 from __future__ import annotations
@@ -41,8 +54,10 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from infinity.client.device import DeviceCopier
 from infinity.errors import InvalidRequestError
 from infinity.io.native import native
+from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
@@ -143,7 +158,10 @@ class _Unit:
         if self.lease is not None:
             return
         self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
-        lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
+        if self.state.device_params is not None:
+            lease = self.state.device_params.lease(self.names)  # released as a store lease is
+        else:
+            lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
         self.lease = lease
         for entry, view in zip(self.entries, lease.tensors):
             self.state._hold(entry, self, view)
@@ -180,6 +198,9 @@ class OffloadState:
         self.forward_order: list[_Param] = []
         self._order_seen: set[int] | None = None
         self._steps_pending = 0  # entries whose `step` is set
+        # Set by `offload` when the module computes on a device other than the CPU's views.
+        self.device_params: DeviceParams | None = None
+        self.device_type = "cpu"  # where parameters present are, for the saved-tensor hook
 
     # --- presence -------------------------------------------------------------------------
 
@@ -229,6 +250,8 @@ class OffloadState:
         hooks, self._saved_hooks = self._saved_hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        if not torch.is_grad_enabled():
+            self._settle_device()  # no backward follows to do it
 
     def _pre_forward(self, unit: _Unit) -> None:
         parameters = unit.module._parameters
@@ -254,7 +277,8 @@ class OffloadState:
             unit.release()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._spans or tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        if (not self._spans or tensor.device.type != self.device_type
+                or tensor.layout != torch.strided):
             return tensor
         found = self._spans.get(tensor.untyped_storage().data_ptr())
         if found is None:
@@ -285,16 +309,32 @@ class OffloadState:
         unit = entry.units[0]
         unit.in_backward = True
         unit.grads_left = sum(1 for e in unit.entries if e.param.requires_grad)
+        self._queue_end_of_backward()
+        return unit
+
+    def _queue_end_of_backward(self) -> None:
         if not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return unit
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         for unit in self.units:
             if unit.in_backward and unit.depth == 0:
                 unit.release()
+        self._settle_device()
+
+    def _settle_device(self) -> None:
+        if self.device_params is not None:
+            self.device_params.settle()
+
+    def _gradient_for_store(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient in host memory, as the store sums it (from a device: a staging view,
+        valid until the next gradient)."""
+        if self.device_params is None:
+            return grad.detach().to(self.config.grad_dtype)
+        self._queue_end_of_backward()  # to settle the device cache even if nothing unpacked
+        return self.device_params.gradient_on_host(grad, self.config.grad_dtype)
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
         grad = param.grad
@@ -302,7 +342,7 @@ class OffloadState:
             return
         entry = self._by_param[id(param)]
         namespace = self.config.namespace
-        grad = grad.detach().to(self.config.grad_dtype)
+        grad = self._gradient_for_store(grad)
         self.settle_steps((entry,))  # a step still reading the stored gradient
         if entry.grad_name in self._fresh_grads:
             self.client.put(entry.grad_name, grad, namespace=namespace)
@@ -328,6 +368,8 @@ class OffloadState:
             if entry.step is None:
                 self._steps_pending += 1
             entry.step = pending
+        if self.device_params is not None:
+            self.device_params.hold_back([entry.read_name for entry in entries])
 
     def settle_steps(self, entries: Iterable[_Param] | None = None) -> None:
         """Wait for the optimizer steps still updating `entries` (all: None); raise the first
@@ -341,10 +383,12 @@ class OffloadState:
             try:
                 pending.result()
             finally:
-                for other in self.params:
-                    if other.step is pending:
-                        other.step = None
-                        self._steps_pending -= 1
+                done = [other for other in self.params if other.step is pending]
+                for other in done:
+                    other.step = None
+                self._steps_pending -= len(done)
+                if self.device_params is not None:
+                    self.device_params.let_go([other.read_name for other in done])
 
     def read_from(self, names: dict[str, str]) -> None:
         """Compute with other stored copies of some parameters from their next use on (stored
@@ -363,6 +407,10 @@ class OffloadState:
 
     def zero_grad(self) -> None:
         """The next gradients replace the stored ones instead of adding to them."""
+        if self.device_params is not None:
+            # Called between a step and the next forward: what had gradients was stepped.
+            self.device_params.stepped([entry.name for entry in self.params
+                                        if entry.grad_name not in self._fresh_grads])
         self._fresh_grads = {entry.grad_name for entry in self.params}
         self._grad_stats.clear()
 
@@ -407,12 +455,12 @@ class OffloadState:
         return entry
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of the parameter's shape and dtype whose storage holds no bytes (as FSDP2 frees
     an unsharded parameter): autograd checks each gradient against the parameter's current
     shape, and any use of the parameter outside its unit's forward fails loudly instead of
     reading stale or zero values."""
-    tensor = torch.empty(shape, dtype=dtype)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
     tensor.untyped_storage().resize_(0)
     return tensor
 
@@ -436,21 +484,33 @@ def offload_state(module: nn.Module) -> OffloadState:
 
 def offload(model: nn.Module, client: Any, *, namespace: str,
             param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype = torch.float32,
-            prefix: str = "", mark_steps: bool = True) -> nn.Module:
+            prefix: str = "", mark_steps: bool = True, device: torch.device | str | None = None,
+            device_budget_bytes: int | None = None,
+            copier: DeviceCopier | None = None) -> nn.Module:
     """Move `model`'s parameters into the store under `namespace` and hook it (in place).
 
     Returns the same module. Parameters are stored as `param_dtype` (default: their own) and
     the module computes in that dtype; gradients are summed in the store as `grad_dtype`.
+
+    The module computes on `device` (default: where its parameters are). On the CPU it uses
+    the store's shared memory directly; on a CUDA device its parameters are copied into at most
+    `device_budget_bytes` of device memory (default: all of them, at most half the device's
+    free memory) as they are needed. `copier` chooses how copies are made (a
+    `infinity.client.device.CpuCopier` makes the CPU such a copying device).
     """
     config = OffloadConfig(namespace=namespace, param_dtype=param_dtype, grad_dtype=grad_dtype,
                            prefix=prefix, mark_steps=mark_steps)
     if model in _STATES:
         raise InvalidRequestError("this module is offloaded already; offload it once")
-    for name, param in model.named_parameters():
-        if param.device.type != "cpu":
-            raise InvalidRequestError(
-                f"parameter {name} is on {param.device}: offload takes a module on the CPU "
-                f"(the GPU path is not built yet); build or load the model on the CPU")
+    computes_on = compute_device(model, device, copier)
+    if copier is None and computes_on.type != "cpu":
+        copier = device_copier(computes_on)
+    if copier is None and device_budget_bytes is not None:
+        raise InvalidRequestError(
+            "device_budget_bytes bounds device memory, and this module computes on the CPU's "
+            "shared memory; leave it out, or offload to a CUDA device")
+    budget_bytes = (device_budget(model, param_dtype, computes_on, device_budget_bytes)
+                    if copier is not None else 0)
     state = OffloadState(model, client, config)
     # Uploaded in batches of at most an eighth of the daemon's CPU tier (a batch's reservations
     # are held together, so one larger than the tier could never be placed); a parameter too
@@ -462,10 +522,10 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     for name, param in model.named_parameters():  # tied parameters come once, first name
         dtype = param_dtype or param.dtype
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
-                       placeholder=_placeholder(param.shape, dtype))
+                       placeholder=_placeholder(param.shape, dtype, computes_on))
         state.params.append(entry)
         state._by_param[id(param)] = entry
-        value = param.detach().to(dtype).contiguous()
+        value = param.detach().to(device="cpu", dtype=dtype).contiguous()
         nbytes = value.numel() * value.element_size()
         if nbytes > batch_limit:
             client.write_from(entry.name, value, namespace=namespace)
@@ -478,6 +538,11 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         upload_bytes += nbytes
     if upload:
         client.put_many(upload, namespace=namespace)
+    if copier is not None:
+        state.device_params = DeviceParams(client, namespace=namespace, copier=copier,
+                                           budget_bytes=budget_bytes,
+                                           names=[entry.name for entry in state.params])
+        state.device_type = computes_on.type
     for entry in state.params:
         if entry.param.requires_grad:
             # Once autograd has summed every use of the parameter: its gradient is final.
