@@ -22,7 +22,8 @@ its memory and its /proc/<pid>/io are its own and all of it ends with it:
   whose CPU tier is larger than the training state (everything stays in memory);
 - `infinity_nvme`: the same with the state on NVMe behind a CPU tier of a quarter of the training
   state (parameters, gradients and both moments: 16 bytes per fp32 parameter, whose master
-  weights are the parameters themselves);
+  weights are the parameters themselves), raised where one parameter's step does not fit in it
+  (`--nvme-cpu-budget`, see `nvme_cpu_budget`; the JSON says which and why);
 - `deepspeed_nvme`: DeepSpeed ZeRO-3 with `offload_param` and `offload_optimizer` on NVMe, in the
   peers' venv (tools/peers/deepspeed_train_worker.py; set up by tools/peers/setup_peers.sh),
   "skipped" with the reason where that venv is missing.
@@ -91,13 +92,36 @@ def state_bytes_of(model: Any) -> int:
     return sum(p.numel() for p in model.parameters()) * 16
 
 
-def daemon_settings(config: str, folder: str, state_bytes: int) -> dict[str, Any]:
+def nvme_cpu_budget(choice: str, state_bytes: int, largest_param_bytes: int) -> tuple[int, str]:
+    """The CPU tier of `infinity_nvme` and why: a quarter of the training state (`quarter`), a
+    size in bytes, or `auto`: the quarter, raised where one parameter's step cannot fit in it.
+
+    The daemon's optimizer step holds one parameter's four tensors (parameter, gradient, both
+    moments) in the tier at once, so a tier smaller than 4x the largest parameter fails with
+    TierFullError (GPT-2 124M: the 50257 x 768 embedding, 4 x 154 MB, over a quarter's 497 MB);
+    `auto` gives that item and half as much again for the pipeline's other items.
+    """
+    quarter = max(16 * MiB, state_bytes // 4 // (2 * MiB) * (2 * MiB))
+    if choice == "quarter":
+        return quarter, "a quarter of the training state"
+    if choice != "auto":
+        return int(choice) // (2 * MiB) * (2 * MiB), "given by --nvme-cpu-budget"
+    needed = -(-largest_param_bytes * 4 * 3 // 2 // (2 * MiB)) * (2 * MiB)
+    if needed <= quarter:
+        return quarter, "a quarter of the training state"
+    return needed, (f"raised from a quarter of the training state ({quarter} bytes): one "
+                    f"parameter's step needs its 4 tensors in the tier at once, "
+                    f"4 x {largest_param_bytes} bytes, plus half of that")
+
+
+def daemon_settings(config: str, folder: str, state_bytes: int,
+                    nvme_budget: int) -> dict[str, Any]:
     from bench_launch import store_daemon_settings
 
     if config == "infinity_cpu":  # room for all of it, and then some
         budget = (state_bytes * 5 // 4 + 512 * MiB) // (2 * MiB) * (2 * MiB)
-    else:  # a quarter of the training state
-        budget = max(16 * MiB, state_bytes // 4 // (2 * MiB) * (2 * MiB))
+    else:
+        budget = nvme_budget
     settings = store_daemon_settings(folder, "daemon", cpu_budget_bytes=budget,
                                      nvme_capacity_bytes=4 * state_bytes + (1 << 30),
                                      prefetch=True)
@@ -130,9 +154,18 @@ class TrainWorker:
         else:
             import infinity
             import infinity.torch as itorch
-            from bench_launch import start_daemon
+            from bench_launch import start_daemon, typed_settings
 
-            settings = daemon_settings(self.config, request["folder"], state_bytes)
+            largest = max(p.numel() * p.element_size() for p in model.parameters())
+            nvme_budget, why = nvme_cpu_budget(request.get("nvme_cpu_budget", "auto"),
+                                               state_bytes, largest)
+            settings = daemon_settings(self.config, request["folder"], state_bytes, nvme_budget)
+            settings.update(typed_settings(request.get("daemon_settings", [])))
+            answer["cpu_segment_bytes"] = settings["cpu.segment_bytes"]
+            if self.config == "infinity_nvme":
+                answer["cpu_budget_why"] = why
+                answer["cpu_budget_over_state"] = round(settings["cpu.budget_bytes"]
+                                                        / state_bytes, 3)
             self.daemon, daemon_config = start_daemon(request["folder"], settings)
             self.client = infinity.connect(config=daemon_config, name=f"bench-train-{self.config}")
             model = itorch.offload(model, self.client, namespace="bench-train")
@@ -251,7 +284,15 @@ def median(values: list[float]) -> float:
 def run_model(name: str, model: dict[str, Any], configs: list[str], args: argparse.Namespace,
               base: str, log_dir: str, console: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"batch": model["batch"], "sequence": model["sequence"],
-                              "subjects": {}, "skipped": {}}
+                              "subjects": {}, "skipped": {}, "failed": {}}
+
+    def fail(config: str, error: worker_protocol.WorkerError) -> None:
+        """A subject that failed is reported with its error and left out from then on."""
+        result["failed"][config] = str(error).split("; its stderr ends with")[0]
+        console.print(f"[red]{name}: {config} failed: {result['failed'][config]}")
+        result["subjects"].pop(config, None)
+        workers.pop(config).close()
+
     workers: dict[str, Worker] = {}
     engine: EngineBandwidth | None = None
     try:
@@ -271,28 +312,46 @@ def run_model(name: str, model: dict[str, Any], configs: list[str], args: argpar
                 request |= {"swap_dir": os.path.join(folder, "swap"),
                             "buffer_count": args.ds_buffer_count, "lr": LR,
                             "weight_decay": WEIGHT_DECAY}
+            if config == "infinity_nvme":
+                request["nvme_cpu_budget"] = args.nvme_cpu_budget
+            if config.startswith("infinity"):
+                request["daemon_settings"] = args.set
             started = time.perf_counter()
-            info = worker.call("init", **request)
+            try:
+                info = worker.call("init", **request)
+            except worker_protocol.WorkerError as error:
+                fail(config, error)
+                continue
             info["init_s"] = round(time.perf_counter() - started, 2)
             result["subjects"][config] = {"info": info, "seconds": [], "losses": [],
                                           "io": [], "per_round_median_s": []}
         engine = EngineBandwidth(os.path.join(base, f"{name}-engine"), args.engine_bytes)
-        names = list(workers)
-        next_step = {config: 0 for config in names}
+        next_step = {config: 0 for config in workers}
 
         def turn(config: str, count: int) -> dict[str, Any]:
             answer = workers[config].call("steps", first_step=next_step[config], count=count)
             next_step[config] += count + 1
             return answer
 
-        for config in names:  # warm-up: one step (and the tail) each, not counted
+        for config in list(workers):  # warm-up: one step (and the tail) each, not counted
             console.print(f"{name}: warm-up {config}")
-            warm = turn(config, 1)
+            try:
+                warm = turn(config, 1)
+            except worker_protocol.WorkerError as error:
+                fail(config, error)
+                continue
             result["subjects"][config]["warmup_s"] = round(warm["seconds"][0], 3)
         for round_index in range(args.rounds):
+            names = list(workers)
+            if not names:
+                break
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for config in order:
-                answer = turn(config, args.steps)
+                try:
+                    answer = turn(config, args.steps)
+                except worker_protocol.WorkerError as error:
+                    fail(config, error)
+                    continue
                 subject = result["subjects"][config]
                 subject["seconds"] += answer["seconds"]
                 subject["losses"] += answer["losses"]
@@ -318,6 +377,8 @@ def run_model(name: str, model: dict[str, Any], configs: list[str], args: argpar
 def summarize(result: dict[str, Any], read_gbps: float, write_gbps: float) -> None:
     subjects = result["subjects"]
     for subject in subjects.values():
+        if not subject["io"]:  # failed before its first round
+            continue
         steps = sum(io["steps"] for io in subject["io"])
         per_step = {key: round(sum(io.get(key, 0) for io in subject["io"]) / steps)
                     for key in subject["io"][0] if key != "steps"}
@@ -368,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="bytes the engine reads and overwrites per round (its bandwidth)")
     parser.add_argument("--ds-buffer-count", type=int, default=56,
                         help="DeepSpeed offload_param buffer_count (fewer failed for GPT-2 124M)")
+    parser.add_argument("--nvme-cpu-budget", default="auto",
+                        help="infinity_nvme's CPU tier: quarter (of the training state), auto "
+                             "(the quarter, raised where one parameter's step needs more), or bytes")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a setting of both Infinity daemons, e.g. cpu.segment_bytes=155189248 "
+                             "(repeatable; applied over the benchmark's own)")
     parser.add_argument("--quick", action="store_true", help="a tiny model: a smoke run")
     parser.add_argument("--keep", action="store_true", help="keep the NVMe folders and logs")
     args = parser.parse_args(argv)
