@@ -181,7 +181,7 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
             kernel_step(buffers, pool if threads > 1 else None, threads, steps["n"], implementation)
         return run
 
-    subjects: dict[str, Callable[[], None]] = {
+    subjects: dict[str, Callable[[], float | None]] = {
         "infinity": ours(num_threads),
         "infinity_1thread": ours(1),
         "torch_foreach": foreach.step,

@@ -64,11 +64,9 @@ from typing import Any, Callable
 
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
-sys.path.insert(0, str(TOOLS / "peers"))  # train_common and worker_protocol, as the workers see them
 
-import train_common  # noqa: E402
-import worker_protocol  # noqa: E402
-from worker_protocol import Worker  # noqa: E402
+from peers import train_common, worker_protocol  # noqa: E402
+from peers.worker_protocol import Worker  # noqa: E402
 
 CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme")
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
