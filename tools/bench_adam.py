@@ -1,6 +1,7 @@
 """Benchmark the native Adam kernel against torch's CPU AdamW and the memory bound, in one run.
 
     .venv/bin/python tools/bench_adam.py [--sizes 100M,400M] [--rounds 7] [--threads N]
+                                         [--no-daemon] [--no-deepspeed]
 
 JSON on stdout, progress on stderr. Every subject updates the same fp32 buffers (parameter,
 gradient, both moments: 16 bytes of state per parameter read and 12 written), one step at a time,
@@ -17,10 +18,15 @@ subjects in turn within each round (rotated), so the machine's background load f
   infinityd whose CPU tier holds another copy of the four tensors (its own threads run the kernel
   in 1 M-element chunks): the kernel plus the request's round trip, leases and hand-offs.
 
+- `deepspeed_cpu_adam` (unless --no-deepspeed, or "skipped" with the reason where the peers' venv
+  is missing): DeepSpeed's `DeepSpeedCPUAdam` (AdamW mode) on its own copy of the same buffers, in
+  a worker process running the peers' python (tools/peers/deepspeed_adam_worker.py, set up by
+  tools/peers/setup_peers.sh), so this process needs no DeepSpeed; the worker times the step
+  itself and takes its turn in the rounds like every other subject.
+
 Reported per subject: the median step time and parameters per second, and the ratios of
-`infinity` to the bound and to the best of torch's. DeepSpeed's `DeepSpeedCPUAdam` is not run
-here (it needs the peers' venv, tools/peers/setup_peers.sh); the note in docs/BENCHMARKS.md says
-which figures include it.
+`infinity` to the bound, to the best of torch's, and to the best of torch's fused kernel and
+DeepSpeed's (the issue's target).
 """
 
 from __future__ import annotations
@@ -43,11 +49,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import infinity
 from bench_launch import start_daemon
+from peers.worker_protocol import Worker, WorkerError
 from infinity import _native
 from infinity.config import MiB
 from infinity.protocol.wire import AdamGroup, AdamItem
 
 BYTES_MOVED_PER_PARAM = 28  # read p, g, m, v (16 bytes); write p, m, v (12 bytes)
+PEERS_DIR = os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers")
+DS_ADAM_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers",
+                              "deepspeed_adam_worker.py")
 
 
 def parse_count(text: str) -> int:
@@ -134,8 +144,31 @@ class DaemonStep:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def start_deepspeed_worker() -> tuple[Worker | None, str]:
+    """The DeepSpeedCPUAdam worker on the peers' python, or None and why not."""
+    python = os.path.join(PEERS_DIR, "venv", "bin", "python")
+    if not os.path.exists(python):
+        return None, f"no DeepSpeed venv at {python}: run tools/peers/setup_peers.sh"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.path.join(PEERS_DIR, "torch_extensions")}
+    log = os.path.join(tempfile.gettempdir(), f"bench-adam-deepspeed-{os.getpid()}.log")
+    return Worker([python, DS_ADAM_WORKER], env=env, stderr_path=log,
+                  name="DeepSpeedCPUAdam worker"), ""
+
+
+class DeepSpeedStep:
+    """One DeepSpeedCPUAdam step in the worker; returns the worker's own timing of it."""
+
+    def __init__(self, worker: Worker, numel: int, num_threads: int) -> None:
+        self.worker = worker
+        self.info = worker.call("init", numel=numel, threads=num_threads)
+
+    def __call__(self) -> float:
+        return float(self.worker.call("step")["seconds"])
+
+
 def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
-            daemon: bool) -> dict[str, Any]:
+            daemon: bool, deepspeed: Worker | None) -> dict[str, Any]:
     buffers = Buffers(numel)
     pool = ThreadPoolExecutor(max_workers=num_threads) if num_threads > 1 else None
     foreach = torch_optimizer(buffers, foreach=True)
@@ -148,7 +181,7 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
             kernel_step(buffers, pool if threads > 1 else None, threads, steps["n"], implementation)
         return run
 
-    subjects: dict[str, Callable[[], None]] = {
+    subjects: dict[str, Callable[[], float | None]] = {
         "infinity": ours(num_threads),
         "infinity_1thread": ours(1),
         "torch_foreach": foreach.step,
@@ -158,6 +191,8 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
     through_daemon = DaemonStep(buffers) if daemon else None
     if through_daemon is not None:
         subjects["infinity_daemon"] = through_daemon
+    if deepspeed is not None:
+        subjects["deepspeed_cpu_adam"] = DeepSpeedStep(deepspeed, numel, num_threads)
     times: dict[str, list[float]] = {name: [] for name in subjects}
     order = list(subjects.items())
     task = progress.add_task(f"{numel / 1e6:.0f}M parameters", total=rounds * len(order))
@@ -167,8 +202,9 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
         shift = round_ % len(order)
         for name, subject in order[shift:] + order[:shift]:
             start = time.perf_counter()
-            subject()
-            times[name].append(time.perf_counter() - start)
+            own_time = subject()  # a worker's subject answers its own timing
+            elapsed = time.perf_counter() - start
+            times[name].append(own_time if isinstance(own_time, float) else elapsed)
             progress.advance(task)
     if pool is not None:
         pool.shutdown()
@@ -189,6 +225,11 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
         "infinity_over_best_torch": round(best_torch / ours_s, 3),
         "infinity_over_torch_fused": round(result["torch_fused"]["median_s"] / ours_s, 3),
     }
+    if deepspeed is not None:
+        best_peer = min(result["torch_fused"]["median_s"], result["deepspeed_cpu_adam"]["median_s"])
+        result["ratios"]["infinity_over_deepspeed"] = round(
+            result["deepspeed_cpu_adam"]["median_s"] / ours_s, 3)
+        result["ratios"]["infinity_over_best_fused_or_deepspeed"] = round(best_peer / ours_s, 3)
     return result
 
 
@@ -199,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-daemon", action="store_true",
                         help="leave out the step through infinityd")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="leave out DeepSpeedCPUAdam (the peers' venv)")
     args = parser.parse_args(argv)
     sizes = [parse_count(text) for text in args.sizes.split(",")]
     console = Console(stderr=True)
@@ -210,16 +253,30 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "sizes": {},
     }
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console) as progress:
-        for numel in sizes:
-            report["sizes"][str(numel)] = measure(numel, args.rounds, args.threads, progress,
-                                                  daemon=not args.no_daemon)
+    deepspeed, skipped = (None, "--no-deepspeed") if args.no_deepspeed else start_deepspeed_worker()
+    if skipped:
+        report["skipped"] = {"deepspeed_cpu_adam": skipped}
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:
+            for numel in sizes:
+                report["sizes"][str(numel)] = measure(numel, args.rounds, args.threads, progress,
+                                                      daemon=not args.no_daemon,
+                                                      deepspeed=deepspeed)
+    except WorkerError as error:
+        console.print(f"[red]{error}")
+        raise
+    finally:
+        if deepspeed is not None:
+            deepspeed.close()
     ratios = [size["ratios"] for size in report["sizes"].values()]
     report["targets_met"] = {
         "kernel >= 0.95x bound": all(r["infinity_over_bound"] >= 0.95 for r in ratios),
         "kernel >= best of torch's": all(r["infinity_over_best_torch"] >= 1.0 for r in ratios),
     }
+    if deepspeed is not None:
+        report["targets_met"]["kernel >= best of torch fused and DeepSpeedCPUAdam"] = all(
+            r["infinity_over_best_fused_or_deepspeed"] >= 1.0 for r in ratios)
     print(json.dumps(report, indent=1))
     return 0
 

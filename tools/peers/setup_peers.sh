@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the benchmark peers (fio, DeepSpeed's async_io handle) for tools/bench_io.py.
+# Install the benchmark peers (fio, DeepSpeed's async_io handle, CPU Adam and ZeRO-3 with transformers)
+# for tools/bench_io.py, tools/bench_adam.py and tools/bench_train.py.
 #
 # Benchmark-only: nothing here is a dependency of Infinity itself. Idempotent: every step
 # checks whether its result is already there and skips it if so, so a second run takes seconds.
@@ -10,13 +11,13 @@
 #   INFINITY_PEERS_DIR     where the venv and compiled ops live (default /var/tmp/infinity-peers)
 #   INFINITY_PEERS_PYTHON  interpreter used to create the venv (default: python3.11, else python3)
 #   INFINITY_PEERS_SKIP_APT=1      do not touch apt even when root
-#   INFINITY_PEERS_SKIP_COMPILE=1  do not pre-compile DeepSpeed's async_io op
+#   INFINITY_PEERS_SKIP_COMPILE=1  do not pre-compile DeepSpeed's async_io and cpu_adam ops
 #   INFINITY_PEERS_DEEPSPEED       pip requirement for DeepSpeed (default: deepspeed, i.e. the newest;
 #                                  tested with deepspeed==0.19.8)
 #
 # Layout afterwards:
 #   $INFINITY_PEERS_DIR/venv/bin/python       python with torch (CPU wheel) + deepspeed
-#   $INFINITY_PEERS_DIR/torch_extensions/     DeepSpeed's JIT-compiled ops (async_io), reused later
+#   $INFINITY_PEERS_DIR/torch_extensions/     DeepSpeed's JIT-compiled ops (async_io, cpu_adam), reused later
 #   $INFINITY_PEERS_DIR/env.sh                exports DS_ACCELERATOR / TORCH_EXTENSIONS_DIR
 set -euo pipefail
 
@@ -120,6 +121,14 @@ else
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${VPIP[@]}" install -c "$CONSTRAINTS" --no-build-isolation "$DS_REQ"
 fi
 
+# transformers: tools/bench_train.py builds the same GPT-2 (from a config, seeded) inside DeepSpeed's worker.
+if have_mods "transformers"; then
+    log "pip: transformers already installed"
+else
+    log "pip: installing transformers (for the ZeRO-3 training worker)"
+    "${VPIP[@]}" install -c "$CONSTRAINTS" "transformers>=4.40" safetensors
+fi
+
 cat > "$PEERS_DIR/env.sh" <<EOF
 # source this before using $VENV/bin/python with DeepSpeed
 export DS_ACCELERATOR=cpu
@@ -147,6 +156,22 @@ print(f"async_io: ok, handle block_size={h.get_block_size()} queue_depth={h.get_
       file=sys.stderr)
 EOF
     log "async_io: ready in $(( $(date +%s) - t0 )) s"
+fi
+
+# --------------------------------------------------------------------------- cpu_adam op
+# DeepSpeedCPUAdam (tools/bench_adam.py) and ZeRO-3's offloaded optimizer (tools/bench_train.py) use it.
+if [[ "${INFINITY_PEERS_SKIP_COMPILE:-0}" == "1" ]]; then
+    log "cpu_adam: compile skipped (INFINITY_PEERS_SKIP_COMPILE=1)"
+else
+    log "cpu_adam: loading (JIT-compiled into $EXT_DIR on first use, about a minute; reused after)"
+    t0=$(date +%s)
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$EXT_DIR" "$VPY" - <<'EOF'
+import sys
+from deepspeed.ops.op_builder import CPUAdamBuilder
+CPUAdamBuilder().load(verbose=False)
+print("cpu_adam: ok", file=sys.stderr)
+EOF
+    log "cpu_adam: ready in $(( $(date +%s) - t0 )) s"
 fi
 
 log "done in $(( $(date +%s) - t_start )) s; python: $VPY; env: source $PEERS_DIR/env.sh"
