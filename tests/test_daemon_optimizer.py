@@ -149,3 +149,57 @@ def test_state_larger_than_the_cpu_tier_steps_through_nvme(nvme_daemon: Any) -> 
             assert torch.equal(out, state["exp_avg_sq"]), name
     finally:
         client.close()
+
+
+def test_a_parameter_of_tensors_over_half_a_segment_steps_in_a_tier_they_would_fragment(
+        daemon_factory: Any) -> None:
+    """Four tensors of 0.53 of a segment each (an embedding's parameter, gradient and moments):
+    in standard segments each would strand the rest of its segment, so a tier of 3.25
+    segments could hold only three of them at once, and the step needs all four. Each gets a
+    segment of its own instead (rounded to 2 MiB: 6 MiB), and four fit."""
+    mib = 1 << 20
+    daemon = daemon_factory(nvme_tier=True, **{"cpu.segment_bytes": 8 * mib,
+                                                "cpu.budget_bytes": 26 * mib})
+    client = daemon.connect("fragment")
+    try:
+        numel = 1_050_001  # 4.2 MB
+        state = store_state(client, "wte", numel, seed=3)
+        client.adam_step([GROUP], [item("wte")])
+        reference_step(state, 1)
+        out = torch.empty(numel)
+        client.read_into("wte", out)
+        assert torch.equal(out, state["param"])
+        assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] >= 1
+    finally:
+        client.close()
+
+
+
+def test_a_large_parameter_steps_though_the_clients_spare_slices_are_in_the_way(
+        daemon_factory: Any) -> None:
+    """A trainer's gradient puts leave it spare slices (for the next put of each), spread over
+    the standard segments. A large parameter's step needs each of its tensors in a segment of
+    its own, so a standard segment must be emptied for the last of them; spares cannot be
+    evicted. The allocation waits for them to be used or given back (new spares paused
+    meanwhile) instead of failing with the tier far from full."""
+    import infinity.torch as itorch
+    from torch import nn
+
+    mib = 1 << 20
+    daemon = daemon_factory(nvme_tier=True, **{"cpu.segment_bytes": 4 * mib,
+                                                "cpu.budget_bytes": 32 * mib})
+    client = daemon.connect("spares")
+    try:
+        torch.manual_seed(0)
+        # A 4.4 MB embedding (its four tensors: 24 MiB of dedicated segments), small layers.
+        model = nn.Sequential(nn.Embedding(1100, 1000), nn.Linear(1000, 200),
+                              *[nn.Linear(200, 200) for _ in range(8)])
+        model = itorch.offload(model, client, namespace="spares")
+        optimizer = itorch.AdamW(model.parameters(), lr=1e-3, overlap=False)
+        ids = torch.randint(0, 1100, (4, 7))
+        for _ in range(3):
+            model(ids).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        client.close()

@@ -1,8 +1,11 @@
 """The CPU tier's memory: memfd segments created lazily up to the budget, and ranges inside them.
 
 A standard segment is `cpu.segment_bytes` (the last one may be smaller, to fit
-the budget); a tensor larger than that gets a dedicated segment of its own,
-rounded up to 2 MiB, destroyed when the tensor is freed. Ranges inside a segment
+the budget); a tensor larger than half that gets a dedicated segment of its own,
+rounded up to 2 MiB, destroyed when the tensor is freed. (Half: a standard
+segment holds only one such tensor, and the rest of it would be stranded; a
+few of them, leased together as an optimizer step leases a parameter's
+tensors, could find the tier less than half used and still no room.) Ranges inside a segment
 come from one `ExtentAllocator` per segment (4 KiB-aligned offsets, so O_DIRECT
 reads can land in place).
 
@@ -286,7 +289,7 @@ class CpuArena:
                 f"{self.budget_bytes}); raise cpu.budget_bytes, or move it in pieces with "
                 f"client.write_from(name, src) / client.read_into(name, out) (needs nvme.dirs)")
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        dedicated = length > self.config.segment_bytes
+        dedicated = self.needs_dedicated(length)
         for segment in self.segments.values():
             if segment.dedicated != dedicated or segment.segment_class != segment_class:
                 continue
@@ -372,12 +375,17 @@ class CpuArena:
 
     # --- segments going away -----------------------------------------------------
 
+    def needs_dedicated(self, nbytes: int) -> bool:
+        """Whether an allocation of `nbytes` gets a segment of its own (see the module's
+        docstring)."""
+        return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES > self.config.segment_bytes // 2
+
     def segment_bytes_to_empty(self, nbytes: int) -> int:
         """For an allocation of `nbytes` that needs a dedicated segment: the bytes of segments
         holding something that must be emptied (then retired) before that segment fits the
         budget; 0 when it fits already, or the allocation needs no dedicated segment."""
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        if length <= self.config.segment_bytes:
+        if not self.needs_dedicated(length):
             return 0
         need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
         return max(0, need - self._room_bytes() - self._empty_standard_bytes())

@@ -145,7 +145,7 @@ class Eviction:
                     f"room for {what}: {error}")
             if outcome == _NO_SEGMENT:
                 raise TierFullError(
-                    f"{what} needs {nbytes} bytes, more than a CPU-tier segment "
+                    f"{what} needs {nbytes} bytes, more than half a CPU-tier segment "
                     f"(cpu.segment_bytes={self.arena.config.segment_bytes}), so it needs a "
                     f"segment of its own, and every segment that would make the budget for one "
                     f"holds a leased or busy slice, or a spare that a client keeps for its next "
@@ -234,16 +234,27 @@ class Eviction:
                         or version.exclusive):
                     continue  # one leased since it was chosen stays when its write-back ends
             going[piece.segment] = going.get(piece.segment, 0) + piece.length
+        # Slices being read into from NVMe hold their segments only until the read ends.
+        reading: dict[int, int] = {}
+        for load in residency.loads.values():
+            if load.piece is not None:
+                reading[load.piece.segment] = reading.get(load.piece.segment, 0) + load.piece.length
         chosen: list[int] = []
-        made = 0
+        made = later = 0
         for segment, size, used in sorted(self.arena.segments_in_use(), key=lambda s: s[2]):
             if made >= short:
                 break
             if going.get(segment, 0) == used:
                 chosen.append(segment)
                 made += size
+            elif going.get(segment, 0) + reading.get(segment, 0) == used:
+                later += size
         if made < short:
-            return _NO_SEGMENT
+            # Where segments busy with reads would make it, wait for them (a load's end wakes
+            # the waiters) rather than fail.
+            if made + later >= short:
+                return _PENDING
+            return _PENDING if self.space.spares_in_the_way() else _NO_SEGMENT
         freed = False
         for segment in chosen:
             for version in members.get(segment, []):

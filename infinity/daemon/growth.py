@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -62,6 +63,10 @@ class TierSpace:
         # what is being evicted beyond them is room nobody waits for yet (`infinity.daemon.eviction`).
         self.awaited_bytes = 0
         self._disk_growth: dict[int, list[Callback]] = {}
+        # Spares paused: a tensor that needs a segment of its own found every segment that
+        # could be emptied for it holding some client's spare slice (see `spares_in_the_way`).
+        self.spares_paused_until = 0.0
+        self._spare_wait_started: float | None = None
         # Published and not freed yet (current, held, or with I/O on it): counted up by the
         # catalog's `published` hook (`Eviction.published`), down by `_free`.
         self.num_versions = 0
@@ -73,10 +78,12 @@ class TierSpace:
                        segment_class: str | None = None) -> CpuSlice | None:
         """A fresh CPU slice from room the tier already has, or None: never by evicting or
         waiting. Where the budget allows, it starts the tier's growth for the next spare."""
-        if nbytes > self.arena.config.segment_bytes:
+        if self.arena.needs_dedicated(nbytes):
             return None  # it would need a dedicated segment of its own: growth
         if self._space_waiters:
             return None  # reserves and loads wait for room: theirs first
+        if time.monotonic() < self.spares_paused_until:
+            return None  # they kept a large tensor from a segment of its own lately
         arena = self.arena
         try:
             piece = arena.allocate(nbytes, what=what, segment_class=segment_class)
@@ -112,6 +119,20 @@ class TierSpace:
             f"the CPU tier is full: {self.arena.used_bytes} of {self.arena.budget_bytes} bytes are "
             f"in use{', by leased or busy tensors' if self.nvme is not None else ''}, and {what} "
             f"needs {nbytes} more; raise cpu.budget_bytes or delete tensors (or release leases)")
+
+    def spares_in_the_way(self) -> bool:
+        """A tensor needs a segment of its own and no segment can be emptied for it, which the
+        clients' spare slices (spread over the standard segments, renewed at each put) can
+        cause. Pause new spares for a while; True while the allocation may wait for those
+        given out to be used or given back (a client gives an unused one back within
+        `daemon.client_timeout_s`): the waiters are woken when the wait ends, and fail then."""
+        now = time.monotonic()
+        window_s = self.config.daemon.client_timeout_s
+        self.spares_paused_until = now + max(60.0, 4 * window_s)
+        if self._spare_wait_started is None or now - self._spare_wait_started > 2 * window_s:
+            self._spare_wait_started = now  # a new episode
+            self.loop.call_later(window_s, self.retry_waiters)
+        return now - self._spare_wait_started < window_s
 
     # --- waiting for room -------------------------------------------------------------------
 

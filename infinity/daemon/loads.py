@@ -206,6 +206,7 @@ class Loads:
                 tensors.make_resident(current.key, current.nbytes)
         if not skipped:
             self.space.on_change()  # a dropped prefetch changes nothing: no new plan for it
+        self.space.retry_waiters()  # its slice may go now: a waiter for room may fit
         if error is None:
             assert load.piece is not None
             version.cpu = load.piece
