@@ -95,21 +95,26 @@ def nvme_cpu_budget(choice: str, state_bytes: int, largest_param_bytes: int) -> 
     size in bytes, or `auto`: the quarter, raised where one parameter's step cannot fit in it.
 
     The daemon's optimizer step holds one parameter's four tensors (parameter, gradient, both
-    moments) in the tier at once, so a tier smaller than 4x the largest parameter fails with
-    TierFullError (GPT-2 124M: the 50257 x 768 embedding, 4 x 154 MB, over a quarter's 497 MB);
-    `auto` gives that item and half as much again for the pipeline's other items.
+    moments) in the tier at once, each in one piece of a segment (256 MiB here): a segment holds
+    `segment // tensor` of them, and budget short of a whole segment holds none (GPT-2 124M: the
+    50257 x 768 embedding's 154 MB tensors take a segment each, so a quarter's 497 MB holds one
+    and 927 MB three). `auto` gives the segments for those four and one more for the rest.
     """
     quarter = max(16 * MiB, state_bytes // 4 // (2 * MiB) * (2 * MiB))
     if choice == "quarter":
         return quarter, "a quarter of the training state"
     if choice != "auto":
         return int(choice) // (2 * MiB) * (2 * MiB), "given by --nvme-cpu-budget"
-    needed = -(-largest_param_bytes * 4 * 3 // 2 // (2 * MiB)) * (2 * MiB)
-    if needed <= quarter:
+    segment = min(256 * MiB, quarter)  # store_daemon_settings' (--set cpu.segment_bytes aside)
+    per_segment = max(1, segment // max(1, largest_param_bytes))
+    if (quarter // segment) * per_segment >= 8:  # the four, and as many again for the rest
         return quarter, "a quarter of the training state"
+    segment = 256 * MiB
+    per_segment = max(1, segment // max(1, largest_param_bytes))
+    needed = (-(-4 // per_segment) + 1) * segment
     return needed, (f"raised from a quarter of the training state ({quarter} bytes): one "
-                    f"parameter's step needs its 4 tensors in the tier at once, "
-                    f"4 x {largest_param_bytes} bytes, plus half of that")
+                    f"parameter's step needs its 4 tensors of {largest_param_bytes} bytes in the "
+                    f"tier at once, {per_segment} per 256 MiB segment, plus a segment for the rest")
 
 
 def daemon_settings(config: str, folder: str, state_bytes: int,
