@@ -95,26 +95,21 @@ def nvme_cpu_budget(choice: str, state_bytes: int, largest_param_bytes: int) -> 
     size in bytes, or `auto`: the quarter, raised where one parameter's step cannot fit in it.
 
     The daemon's optimizer step holds one parameter's four tensors (parameter, gradient, both
-    moments) in the tier at once, each in one piece of a segment (256 MiB here): a segment holds
-    `segment // tensor` of them, and budget short of a whole segment holds none (GPT-2 124M: the
-    50257 x 768 embedding's 154 MB tensors take a segment each, so a quarter's 497 MB holds one
-    and 927 MB three). `auto` gives the segments for those four and one more for the rest.
+    moments) in the tier at once, each a segment of its own when it is over half a segment
+    (rounded up to 2 MiB). GPT-2 124M's 50257 x 768 embedding makes that 4 x 148 MiB, more than
+    a quarter of the state (474 MiB): `auto` gives those four and 128 MiB for the rest.
     """
     quarter = max(16 * MiB, state_bytes // 4 // (2 * MiB) * (2 * MiB))
     if choice == "quarter":
         return quarter, "a quarter of the training state"
     if choice != "auto":
         return int(choice) // (2 * MiB) * (2 * MiB), "given by --nvme-cpu-budget"
-    segment = min(256 * MiB, quarter)  # store_daemon_settings' (--set cpu.segment_bytes aside)
-    per_segment = max(1, segment // max(1, largest_param_bytes))
-    if (quarter // segment) * per_segment >= 8:  # the four, and as many again for the rest
+    one_step = 4 * (-(-largest_param_bytes // (2 * MiB)) * (2 * MiB)) + 128 * MiB
+    if one_step <= quarter:
         return quarter, "a quarter of the training state"
-    segment = 256 * MiB
-    per_segment = max(1, segment // max(1, largest_param_bytes))
-    needed = (-(-4 // per_segment) + 1) * segment
-    return needed, (f"raised from a quarter of the training state ({quarter} bytes): one "
-                    f"parameter's step needs its 4 tensors of {largest_param_bytes} bytes in the "
-                    f"tier at once, {per_segment} per 256 MiB segment, plus a segment for the rest")
+    return one_step, (f"raised from a quarter of the training state ({quarter} bytes): one "
+                      f"parameter's step needs its 4 tensors of {largest_param_bytes} bytes in "
+                      f"the tier at once, plus 128 MiB for the rest")
 
 
 def daemon_settings(config: str, folder: str, state_bytes: int,
