@@ -389,9 +389,8 @@ def test_a_cache_dropped_without_close_gives_back_the_leases_of_its_prefetch(
     assert leases_held(client) == 0
 
 
-def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back_their_sources(
-        nvme_daemon: RunningDaemon) -> None:
-    client = nvme_daemon.connect("trainer")
+def cache_with_copies_under_way(client: Any) -> tuple[DeviceCache, UnfinishedCopier]:
+    """A cache that got "a" and "b" through a copier whose copies never finish by themselves."""
     for name in ("a", "b"):
         client.put(name, torch.full((1000,), float(ord(name))))
     copier = UnfinishedCopier()
@@ -399,6 +398,13 @@ def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back
     for name in ("a", "b"):
         with cache.get(name):
             pass
+    return cache, copier
+
+
+def test_a_cache_dropped_with_copies_under_way_waits_for_them_before_giving_back_their_sources(
+        nvme_daemon: RunningDaemon) -> None:
+    client = nvme_daemon.connect("trainer")
+    cache, copier = cache_with_copies_under_way(client)
     assert client.stats()["catalog"]["num_leases"] == 2  # the copies still read the CPU tier
     del cache
     client.flush()
@@ -673,13 +679,7 @@ def test_settle_gives_back_the_prefetch_not_yet_used_and_keeps_the_device_copies
 def test_settle_waits_for_copies_under_way_before_giving_back_their_sources(
         nvme_daemon: RunningDaemon) -> None:
     client = nvme_daemon.connect("trainer")
-    for name in ("a", "b"):
-        client.put(name, torch.full((1000,), float(ord(name))))
-    copier = UnfinishedCopier()
-    cache = DeviceCache(client, budget_bytes=8000, copier=copier, prefetch=False)
-    for name in ("a", "b"):
-        with cache.get(name):
-            pass
+    cache, copier = cache_with_copies_under_way(client)
     assert leases_held(client) == 2  # the copies still read the CPU tier
     cache.settle()
     assert len(copier.waited) == 2 and leases_held(client) == 0

@@ -19,26 +19,30 @@ from tiny_models import gpt2
 RTOL = 1e-5
 
 
-def ids() -> torch.Tensor:
-    return torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(5))
+def batch_of(step: int) -> torch.Tensor:
+    return torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(step % 2))
 
 
-def loss_of(model: Any) -> torch.Tensor:
-    batch = ids()
+def loss_of(model: Any, step: int = 0) -> torch.Tensor:
+    torch.manual_seed(100 + step)  # the same dropout masks in every run
+    batch = batch_of(step)
     return model(input_ids=batch, labels=batch).loss
 
 
-def reference_losses(steps: int) -> list[float]:
-    model = gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+def run_steps(model: Any, optimizer: Any, steps: int) -> list[float]:
     losses = []
-    for _ in range(steps):
-        loss = loss_of(model)
+    for step in range(steps):
+        loss = loss_of(model, step)
         loss.backward()
-        losses.append(float(loss.detach()))
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(float(loss.detach()))
     return losses
+
+
+def plain_losses_on(steps: int) -> list[float]:
+    model = gpt2()
+    return run_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False), steps)
 
 
 def test_step_returns_while_the_daemon_is_stopped_and_the_next_forward_sees_its_update(
@@ -47,7 +51,7 @@ def test_step_returns_while_the_daemon_is_stopped_and_the_next_forward_sees_its_
     try:
         model = itorch.offload(gpt2(), client, namespace="overlap")
         optimizer = itorch.AdamW(model.parameters(), lr=3e-3)
-        first = loss_of(model)
+        first = loss_of(model, 0)
         first.backward()
         daemon.process.send_signal(signal.SIGSTOP)  # nothing can be answered from here on
         try:
@@ -63,8 +67,8 @@ def test_step_returns_while_the_daemon_is_stopped_and_the_next_forward_sees_its_
         finally:
             daemon.process.send_signal(signal.SIGCONT)
         optimizer.zero_grad()
-        second = float(loss_of(model).detach())  # waits for the step, sub-group by sub-group
-        expected = reference_losses(2)
+        second = float(loss_of(model, 1).detach())  # waits for the step, sub-group by sub-group
+        expected = plain_losses_on(2)
         assert float(first.detach()) == pytest.approx(expected[0], rel=RTOL)
         assert second == pytest.approx(expected[1], rel=RTOL)
     finally:
@@ -118,10 +122,6 @@ def test_the_next_forward_uses_parameters_in_the_order_the_step_sends_them(clien
     assert sorted(used) == sorted(name for name, _ in state.stored_names())
 
 
-def batch_of(step: int) -> torch.Tensor:
-    return torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(step % 2))
-
-
 def delayed_reference(steps: int) -> list[float]:
     """ZeRO-Offload's delayed parameter update in plain PyTorch: the forward of step t computes
     with the parameters from before step t - 1 (fp32 masters stepped by torch's AdamW)."""
@@ -130,9 +130,7 @@ def delayed_reference(steps: int) -> list[float]:
     published: list[torch.Tensor] | None = None
     losses = []
     for step in range(steps):
-        torch.manual_seed(100 + step)
-        batch = batch_of(step)
-        loss = used(input_ids=batch, labels=batch).loss
+        loss = loss_of(used, step)
         loss.backward()
         for mine, theirs in zip(used.parameters(), master.parameters()):
             theirs.grad, mine.grad = mine.grad, None
@@ -157,24 +155,6 @@ def test_the_delayed_update_gives_the_losses_of_zero_offloads_schedule(client: A
     plain = plain_losses_on(steps)
     assert losses[0] == pytest.approx(plain[0], rel=RTOL)  # both start from the same weights
     assert losses[3:] != pytest.approx(plain[3:], rel=1e-3)  # then the update lags one step
-
-
-def plain_losses_on(steps: int) -> list[float]:
-    model = gpt2()
-    return run_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False), steps)
-
-
-def run_steps(model: Any, optimizer: Any, steps: int) -> list[float]:
-    losses = []
-    for step in range(steps):
-        torch.manual_seed(100 + step)
-        batch = batch_of(step)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def test_after_synchronize_the_delayed_update_computes_with_the_last_steps_parameters(

@@ -232,18 +232,16 @@ class _StoreAdam(torch.optim.Optimizer):
             nbytes += entry.placeholder.numel() * 4
             if nbytes < SUBGROUP_BYTES and end < len(items):
                 continue
-            batch = items[start:end]
+            batch, start, nbytes = items[start:end], end, 0
             pending = stepper.send(groups, [item for _, _, item in batch], namespace=namespace)
             if self._delay_update:  # the module goes on with the other copy: nothing waits
                 self._delayed.append(pending)
-                start, nbytes = end, 0
                 continue
             by_state: dict[int, tuple[OffloadState, list[_Param]]] = {}
             for state, entry, _ in batch:
                 by_state.setdefault(id(state), (state, []))[1].append(entry)
             for state, entries in by_state.values():
                 state.step_sent(entries, pending)
-            start, nbytes = end, 0
 
     def synchronize(self) -> None:
         """Wait until the steps sent are applied in the daemon; raise the first error one met
