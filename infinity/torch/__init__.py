@@ -6,11 +6,12 @@ generation come next (issues 20-21)."""
 
 from typing import Any
 
+from infinity.torch.empty import empty_parameters
 from infinity.torch.offload import OffloadConfig, OffloadState, offload, offload_state
 from infinity.torch.optim import Adam, AdamW
 
-__all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping", "offload",
-           "offload_state"]
+__all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping",
+           "empty_parameters", "offload", "offload_state"]
 
 
 def __getattr__(name: str) -> Any:

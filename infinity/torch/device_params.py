@@ -48,7 +48,8 @@ def compute_device(model: nn.Module, device: torch.device | str | None,
                    copier: DeviceCopier | None) -> torch.device:
     """Where the module computes: `device`, the copier's, or where its parameters are; each
     parameter must be there or on the CPU (the store takes it from either)."""
-    placed = {_indexed(param.device) for param in model.parameters()}
+    # A parameter on the meta device has no values to place (they come from the store).
+    placed = {_indexed(param.device) for param in model.parameters() if not param.is_meta}
     if copier is not None:
         chosen = _indexed(copier.device)
         if device is not None and _indexed(torch.device(device)) != chosen:

@@ -73,6 +73,7 @@ class OffloadConfig:
     grad_dtype: torch.dtype = torch.float32  # gradients are summed in the store in this dtype
     prefix: str = ""                         # put before every stored name
     mark_steps: bool = True                  # each root forward begins a step for the scheduler
+    inference: bool = False                  # forwards only (generation): see `offload`
 
     def __post_init__(self) -> None:
         allowed = (torch.float32, torch.bfloat16, torch.float16)
@@ -238,7 +239,9 @@ class OffloadState:
     # --- hooks ----------------------------------------------------------------------------
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
+        # A training step starts with a forward that records for backward; evaluation
+        # between steps is left out of the trace. A module that only infers steps per forward.
+        if torch.is_grad_enabled() or self.config.inference:
             if self.config.mark_steps:
                 self.client.step_begin(namespace=self.config.namespace)
             self.forward_order, self._order_seen = [], set()
@@ -465,6 +468,61 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) ->
     return tensor
 
 
+def _stored_dtypes(model: nn.Module, client: Any, config: OffloadConfig) -> dict[str, torch.dtype]:
+    """The stored dtype of each of `model`'s parameters (by parameter name), checking that the
+    store holds every one of them with its shape (and `config.param_dtype`, if given)."""
+    stored = {info.name: info for info in
+              client.list(namespace=config.namespace, prefix=config.prefix)}
+    dtypes: dict[str, torch.dtype] = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for name, param in model.named_parameters():
+        info = stored.get(config.prefix + name)
+        if info is None:
+            missing.append(config.prefix + name)
+            continue
+        dtype = getattr(torch, info.dtype, None)
+        if (tuple(info.shape) != tuple(param.shape) or not isinstance(dtype, torch.dtype)
+                or (config.param_dtype is not None and dtype != config.param_dtype)):
+            mismatched.append(f"{config.prefix + name} (stored {info.dtype} "
+                              f"{list(info.shape)}, the model's {list(param.shape)})")
+            continue
+        dtypes[name] = dtype
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                          else "")
+        raise InvalidRequestError(
+            f"from_store: namespace {config.namespace!r} does not hold {shown}; offload the "
+            f"model without from_store to upload its values, or check the namespace and prefix")
+    if mismatched:
+        wanted = f" as {config.param_dtype}" if config.param_dtype is not None else ""
+        raise InvalidRequestError(
+            f"from_store: the store holds parameters that do not fit the model{wanted}: "
+            f"{'; '.join(mismatched[:5])}; build the model from the config it was stored with")
+    return dtypes
+
+
+def _give_values_to_meta_parameters(model: nn.Module, state: OffloadState) -> None:
+    """Replace each parameter on the meta device by one over its placeholder, in every module
+    slot that holds it (tied ones in each). torch cannot point a meta parameter at memory
+    (`.data =` needs the same device type), and a module built without values has nothing a
+    user could hold on to yet, so here (only here) the Parameter objects are new."""
+    replaced: dict[int, nn.Parameter] = {}
+    for entry in state.params:
+        if entry.param.is_meta:
+            fresh = nn.Parameter(entry.placeholder, requires_grad=entry.param.requires_grad)
+            replaced[id(entry.param)] = fresh
+            del state._by_param[id(entry.param)]
+            state._by_param[id(fresh)] = entry
+            entry.param = fresh
+    if not replaced:
+        return
+    for module in model.modules():
+        for slot, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                module._parameters[slot] = replaced[id(param)]
+
+
 def state_of_parameter(param: nn.Parameter) -> OffloadState | None:
     """The offload state whose module holds `param`, or None (for the optimizer)."""
     for state in list(_STATES.values()):
@@ -486,11 +544,24 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype = torch.float32,
             prefix: str = "", mark_steps: bool = True, device: torch.device | str | None = None,
             device_budget_bytes: int | None = None,
-            copier: DeviceCopier | None = None) -> nn.Module:
+            copier: DeviceCopier | None = None, from_store: bool = False,
+            inference: bool = False) -> nn.Module:
     """Move `model`'s parameters into the store under `namespace` and hook it (in place).
 
     Returns the same module. Parameters are stored as `param_dtype` (default: their own) and
     the module computes in that dtype; gradients are summed in the store as `grad_dtype`.
+
+    `from_store=True` takes the parameters' values from the store instead (an imported model,
+    or a trainer restarting on the namespace it trained in): nothing is uploaded, every
+    parameter must be stored under its name with its shape, and the module computes in the
+    stored dtype (`param_dtype`, if given, must be it). The model may then be built without
+    values, its parameters on the meta device (`infinity.torch.empty_parameters()`).
+
+    `inference=True`: the module only computes forwards (generation, with or without
+    `torch.no_grad`): its parameters are frozen (`requires_grad=False`), no gradient hooks are
+    set, and every root forward is a step of the daemon's trace (one per generated token), so
+    the daemon prefetches the next layers' weights across tokens. Without it, only forwards
+    that record for backward are steps.
 
     The module computes on `device` (default: where its parameters are). On the CPU it uses
     the store's shared memory directly; on a CUDA device its parameters are copied into at most
@@ -499,9 +570,15 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     `infinity.client.device.CpuCopier` makes the CPU such a copying device).
     """
     config = OffloadConfig(namespace=namespace, param_dtype=param_dtype, grad_dtype=grad_dtype,
-                           prefix=prefix, mark_steps=mark_steps)
+                           prefix=prefix, mark_steps=mark_steps, inference=inference)
     if model in _STATES:
         raise InvalidRequestError("this module is offloaded already; offload it once")
+    stored_dtypes = _stored_dtypes(model, client, config) if from_store else {}
+    if not from_store and any(param.is_meta for param in model.parameters()):
+        raise InvalidRequestError(
+            "the module's parameters are on the meta device (no values) and from_store is not "
+            "set; pass from_store=True to take their values from the store, or build the model "
+            "with values")
     computes_on = compute_device(model, device, copier)
     if copier is None and computes_on.type != "cpu":
         copier = device_copier(computes_on)
@@ -520,11 +597,13 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     upload: dict[str, torch.Tensor] = {}
     upload_bytes = 0
     for name, param in model.named_parameters():  # tied parameters come once, first name
-        dtype = param_dtype or param.dtype
+        dtype = stored_dtypes.get(name) or param_dtype or param.dtype
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
                        placeholder=_placeholder(param.shape, dtype, computes_on))
         state.params.append(entry)
         state._by_param[id(param)] = entry
+        if from_store:
+            continue
         value = param.detach().to(device="cpu", dtype=dtype).contiguous()
         nbytes = value.numel() * value.element_size()
         if nbytes > batch_limit:
@@ -543,8 +622,12 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
                                            budget_bytes=budget_bytes,
                                            names=[entry.name for entry in state.params])
         state.device_type = computes_on.type
+    if from_store:
+        _give_values_to_meta_parameters(model, state)
     for entry in state.params:
-        if entry.param.requires_grad:
+        if inference:
+            entry.param.requires_grad_(False)
+        elif entry.param.requires_grad:
             # Once autograd has summed every use of the parameter: its gradient is final.
             entry.param.register_post_accumulate_grad_hook(state._gradient_ready)
         entry.param.data = entry.placeholder
