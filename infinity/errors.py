@@ -130,6 +130,24 @@ class InvalidRequestError(StoreError):
     code = "invalid_request"
 
 
+class ModelNotFoundError(NotFoundError):
+    """A namespace holds no complete imported model: no manifest `__model__` (never imported,
+    or an import that did not finish)."""
+
+    code = "model_not_found"
+
+
+# --- imported models ---------------------------------------------------------
+
+
+class ModelFormatError(InfinityError):
+    """A model folder cannot be imported: config.json or a shard its index names is missing, a
+    safetensors file is truncated or its header is not valid, or a file changed while it was
+    read. The message names the file."""
+
+    code = "model_format"
+
+
 # --- protocol and connection -----------------------------------------------
 
 

@@ -889,6 +889,33 @@ def test_read_into_and_write_from_move_a_tensor_larger_than_the_cpu_tier(store: 
         assert tier_counters(client)["stream_write_bytes"] == big.nbytes
 
 
+def test_write_pieces_asks_for_the_pieces_in_order_and_a_failed_fill_publishes_nothing(
+        store: Store) -> None:
+    daemon = store.start()
+    value = pattern(7, 20 * MiB + 5)
+    asked: list[tuple[int, int]] = []
+
+    def fill(piece: torch.Tensor, offset: int) -> None:
+        asked.append((offset, piece.numel()))
+        piece.copy_(value[offset:offset + piece.numel()])
+
+    def fill_until_the_source_runs_dry(piece: torch.Tensor, offset: int) -> None:
+        if offset:
+            raise EOFError("the source ran dry")
+        piece.fill_(1)
+
+    with daemon.connect() as client:
+        client.write_pieces("w", torch.uint8, (value.numel(),), fill)
+        assert len(asked) > 1 and asked[0][0] == 0 and sum(n for _, n in asked) == value.numel()
+        assert all(offset + n == following for (offset, n), (following, _) in zip(asked, asked[1:]))
+        with pytest.raises(EOFError):
+            client.write_pieces("w", torch.uint8, (value.numel(),), fill_until_the_source_runs_dry)
+        out = torch.empty_like(value)
+        client.read_into("w", out)
+        assert torch.equal(out, value)  # the version before the failed write, whole
+        assert client.stats()["tiers"]["cpu"]["used_bytes"] == 0  # staging slices returned
+
+
 @pytest.mark.parametrize("nbytes", [3 * MiB + 1, 6 * MiB, 20 * MiB + 7])
 def test_streams_work_in_a_cpu_tier_smaller_than_a_stream_chunk(store: Store, nbytes: int) -> None:
     # The default 8 MiB chunk in a 4 MiB tier: chunks shrink to half the tier.

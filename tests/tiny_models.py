@@ -24,3 +24,15 @@ def llama() -> nn.Module:
         num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=103, max_position_embeddings=64,
         tie_word_embeddings=True, eos_token_id=102, bos_token_id=101, pad_token_id=0))
+
+
+def word_tokenizer(vocab_size: int) -> object:
+    """A word-level fast tokenizer over words w0 .. w{vocab_size - 2} and [UNK] (the last id),
+    built without the hub; `save_pretrained(folder)` writes its tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")

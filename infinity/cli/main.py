@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "infinityd first); exit status 1 if any is corrupted")
     _add_config_flags(verify)
     verify.add_argument("--json", action="store_true", help="print a JSON report")
+
+    model_import = sub.add_parser("import", help="load a Hugging Face model folder (config.json, "
+                                  "safetensors) into the running infinityd's store")
+    _add_config_flags(model_import)
+    model_import.add_argument("path", help="the model's folder, as save_pretrained wrote it")
+    model_import.add_argument("--namespace", required=True,
+                              help="the namespace to hold the model (its name in `infinity models`)")
+    model_import.add_argument("--writable", action="store_true",
+                              help="leave the namespace writable (default: read-only, sealed)")
+
+    models = sub.add_parser("models", help="list the models imported into the running infinityd")
+    _add_config_flags(models)
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -81,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             from infinity.cli import verify
             return verify.run(args)
+        if args.command == "import":
+            from infinity.cli import model_import
+            return model_import.run(args)
+        if args.command == "models":
+            from infinity.cli import models
+            return models.run(args)
     except InfinityError as exc:
         print(f"infinity {args.command}: {exc}", file=sys.stderr)
         return 2

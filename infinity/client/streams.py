@@ -1,6 +1,6 @@
 """Streams: tensors of any size written from or read into a caller's tensor, in chunks.
 
-`StreamCalls` holds the Client's write_from and read_into. A stream opens on the daemon
+`StreamCalls` holds the Client's write_from, write_pieces and read_into. A stream opens on the daemon
 (stream_open), moves its bytes through staging slices of the CPU tier (stream_chunk requests
 kept nvme.stream_depth deep, one slot each), and closes (stream_close, committing a write).
 A small tensor, or any without an NVMe tier, goes directly through one slice.
@@ -9,6 +9,7 @@ A small tensor, or any without an NVMe tier, goes directly through one slice.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, Sequence
 
 import torch
 
@@ -20,6 +21,11 @@ from infinity.errors import InfinityError, InvalidRequestError
 from infinity.io import copy_into
 from infinity.protocol import wire
 from infinity.protocol.wire import ItemError
+
+
+# write_pieces' source of bytes: fill(piece, offset) writes the tensor's bytes
+# [offset, offset + piece.numel()) into `piece`, a flat uint8 view of shared memory.
+PieceFill = Callable[[torch.Tensor, int], None]
 
 
 class StreamCalls(Session):
@@ -59,13 +65,35 @@ class StreamCalls(Session):
         durable (see `commit`). Returns the version number.
         """
         flat = byte_view(src, "src", written=False)
+
+        def fill(piece: torch.Tensor, offset: int) -> None:
+            # Streaming stores: this process never reads the slice back.
+            copy_into(piece, flat[offset:offset + piece.numel()])
+
+        return self.write_pieces(name, src.dtype, tuple(src.shape), fill, namespace=namespace,
+                                 durable=durable, expect_nbytes=flat.numel())
+
+    def write_pieces(self, name: str, dtype: torch.dtype, shape: Sequence[int],
+                     fill: PieceFill, *, namespace: str = "default", durable: bool = False,
+                     expect_nbytes: int | None = None) -> int:
+        """As `write_from`, for bytes the caller does not hold in one tensor (a file, say):
+        `fill(piece, offset)` writes bytes [offset, offset + piece.numel()) of the new version
+        into `piece`, a flat uint8 view of shared memory, and is called for consecutive pieces
+        in order of offset. The pieces are the stream's chunks (nvme.stream_chunk_bytes) where
+        it is staged, or one piece of the whole tensor where it is direct; so a caller that
+        reads a file into them holds no more than a chunk or the tensor's own slice. An
+        exception from `fill` aborts the write (nothing is published) and is raised.
+        `expect_nbytes`: InvalidRequestError unless the tensor has that many bytes."""
         self._check_usable()  # before any lock: see `commit`
         if self._spares.forget(namespace, [name]):
             self._abort_quietly([name], namespace)  # the stream reserves the name itself
-        info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(src.dtype),
-                                                 tuple(src.shape)))
+        info = self._open_stream(wire.StreamOpen(namespace, name, "write", dtype_name(dtype),
+                                                 tuple(shape)))
         try:
-            self._stream_out(info, flat)
+            if expect_nbytes is not None and info.nbytes != expect_nbytes:
+                raise InvalidRequestError(f"the stream takes {info.nbytes} bytes, not "
+                                          f"{expect_nbytes}")
+            self._stream_out(info, fill)
         except BaseException:
             self._close_stream(info, commit=False, durable=False, quiet=True)
             raise
@@ -152,12 +180,10 @@ class StreamCalls(Session):
             self._drain(channel, pending)
             raise
 
-    def _stream_out(self, info: wire.StreamInfo, flat: torch.Tensor) -> None:
-        if info.nbytes != flat.numel():
-            raise InvalidRequestError(f"the stream takes {info.nbytes} bytes, not {flat.numel()}")
+    def _stream_out(self, info: wire.StreamInfo, fill: PieceFill) -> None:
         if info.direct:
             if info.nbytes:
-                copy_into(self._slot_views(info)[0][:info.nbytes], flat)
+                fill(self._slot_views(info)[0][:info.nbytes], 0)
             return
         self._check_usable()
         channel = self._channel()
@@ -172,12 +198,10 @@ class StreamCalls(Session):
                     free.append(slot)
                 slot = free.pop()
                 n = min(info.chunk_bytes, info.nbytes - offset)
-                # Streaming stores: this process never reads the slice back.
-                copy_into(slots[slot][:n], flat[offset:offset + n])
+                fill(slots[slot][:n], offset)
                 pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
             while pending:
                 self._chunk_done(channel, pending.popleft()[0])
         except BaseException:
             self._drain(channel, pending)
             raise
-
