@@ -36,3 +36,19 @@ def word_tokenizer(vocab_size: int) -> object:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+def save_char_tokenizer(folder: str) -> None:
+    """A character-level tokenizer (98 ids: three specials and printable ASCII, so it fits both
+    models' vocabularies) saved as transformers saves one, for tests that need text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for code in range(32, 127):
+        vocab[chr(code)] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)

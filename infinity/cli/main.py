@@ -76,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models imported into the running infinityd")
     _add_config_flags(models)
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    generate = sub.add_parser("generate", help="stream a completion from an imported model "
+                              "whose weights stay in the store")
+    _add_config_flags(generate)
+    generate.add_argument("prompt", help="the text to complete")
+    generate.add_argument("--namespace", required=True, help="the namespace the model was "
+                          "imported into (`infinity import PATH --namespace NAME`)")
+    generate.add_argument("--max-new-tokens", type=int, default=64,
+                          help="tokens to generate at most (default 64)")
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="sample at this temperature (default 0: greedy)")
+    generate.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling's probability mass, with --temperature")
+    generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     return parser
 
 
@@ -100,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "models":
             from infinity.cli import models
             return models.run(args)
+        if args.command == "generate":
+            from infinity.cli import generate
+            return generate.run(args)
     except InfinityError as exc:
         print(f"infinity {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
 """Torch integration: `offload` (a module's parameters in the store, present around their use,
 gradients leaving for the store as they are produced) and `Adam` / `AdamW` (optimizer state in
-the store, the step in infinityd). `StoredGradientClipping` (a transformers.Trainer callback) is
-imported on first use, so nothing else here needs transformers. Checkpoints and streamed
-generation come next (issues 20-21)."""
+the store, the step in infinityd). `empty_parameters()` builds a model
+without values for `offload(..., from_store=True)`. `StoredGradientClipping` (a
+transformers.Trainer callback), `import_model` / `list_models` (a Hugging Face model folder into
+the store) and `load_causal_lm` / `load_tokenizer` (streamed generation from an imported model)
+are imported on first use, so nothing else here needs transformers."""
 
 from typing import Any
 
@@ -11,7 +13,8 @@ from infinity.torch.offload import OffloadConfig, OffloadState, offload, offload
 from infinity.torch.optim import Adam, AdamW
 
 __all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping",
-           "empty_parameters", "offload", "offload_state"]
+           "empty_parameters", "import_model", "list_models", "load_causal_lm", "load_tokenizer",
+           "offload", "offload_state"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +22,12 @@ def __getattr__(name: str) -> Any:
         from infinity.torch.trainer import StoredGradientClipping
 
         return StoredGradientClipping
+    if name in ("load_causal_lm", "load_tokenizer"):
+        from infinity.torch import generation
+
+        return getattr(generation, name)
+    if name in ("import_model", "list_models"):
+        from infinity.torch import model_store
+
+        return getattr(model_store, name)
     raise AttributeError(f"module 'infinity.torch' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install the benchmark peers (fio, DeepSpeed's async_io handle, CPU Adam and ZeRO-3 with transformers)
-# for tools/bench_io.py, tools/bench_adam.py and tools/bench_train.py.
+# Install the benchmark peers (fio, DeepSpeed's async_io handle, CPU Adam and ZeRO-3 with transformers,
+# Accelerate's disk offload) for tools/bench_io.py, tools/bench_adam.py, tools/bench_train.py and
+# tools/bench_infer.py.
 #
 # Benchmark-only: nothing here is a dependency of Infinity itself. Idempotent: every step
 # checks whether its result is already there and skips it if so, so a second run takes seconds.
@@ -127,6 +128,14 @@ if have_mods "transformers"; then
 else
     log "pip: installing transformers (for the ZeRO-3 training worker)"
     "${VPIP[@]}" install -c "$CONSTRAINTS" "transformers>=4.40" safetensors
+fi
+
+# accelerate: tools/bench_infer.py's disk-offload peer (transformers' device_map with max_memory).
+if have_mods "accelerate"; then
+    log "pip: accelerate already installed"
+else
+    log "pip: installing accelerate (for the disk-offload generation worker)"
+    "${VPIP[@]}" install -c "$CONSTRAINTS" accelerate
 fi
 
 cat > "$PEERS_DIR/env.sh" <<EOF
