@@ -40,6 +40,13 @@ def test_demo_moves_data_through_the_tier_and_the_daemon(disk_tmp: str) -> None:
     assert 0 < train["last_loss"] < 10
     assert "training loss" in result.stderr and any(0x2801 <= ord(c) <= 0x28FF for c in result.stderr)
     assert not RuntimeLayout(os.path.join(disk_tmp, "train-run")).daemon_running()
+    # Generating: the trained model, imported, wrote the trainer's line with most of its weights
+    # on NVMe, and the daemon is stopped.
+    generate = report["generate"]
+    assert generate["same_as_trainer"] is True and generate["tokens"] > 0
+    assert generate["weight_bytes"] >= 2 * generate["cpu_budget_bytes"]
+    assert generate["nvme_read_bytes"] > 0
+    assert not RuntimeLayout(os.path.join(disk_tmp, "generate-run")).daemon_running()
 
 
 def test_demo_keeps_a_cpu_tier_the_user_set(disk_tmp: str) -> None:

@@ -6,7 +6,9 @@ starts `infinityd` in a private runtime folder, puts tensors through one client
 process, reads them bit-exactly from a second one through shared memory, and
 stops the daemon. Part three (`demo_train`) fine-tunes a small GPT-2 whose
 parameters and Adam states live on NVMe through a daemon whose CPU tier holds a
-quarter of them, draws the loss curve and lets the model write a line.
+quarter of them, draws the loss curve and lets the model write a line. Part four
+(`demo_generate`) imports the trained model into a fresh daemon's store and lets it write the
+same line again with its weights streamed from NVMe.
 """
 
 from __future__ import annotations
@@ -160,12 +162,28 @@ def run(args: argparse.Namespace) -> int:
         from infinity.cli import demo_train
 
         train_store = base / "train-store"
+        generate_store = base / "generate-store"
+        model_dir = base / "trained-model"
         _fresh_demo_folder(train_store, base / "train-run")
+        _fresh_demo_folder(generate_store, base / "generate-run")
+        shutil.rmtree(model_dir, ignore_errors=True)
         try:
-            report["train"] = demo_train.train_part(config, base, console,
-                                                    steps=args.train_steps)
+            report["train"] = trained = demo_train.train_part(
+                config, base, console, steps=args.train_steps, save_dir=model_dir)
+            shutil.rmtree(train_store, ignore_errors=True)
+            from infinity.cli import demo_generate
+
+            report["generate"] = generate = demo_generate.generate_part(
+                config, base, console, model_dir=model_dir, prompt=demo_train.PROMPT,
+                max_new_tokens=demo_train.SAMPLE_TOKENS, sample_seed=demo_train.SAMPLE_SEED)
+            same = generate["generated"] == trained["generated"]
+            generate["same_as_trainer"] = same
+            console.print("the same line as the trainer's model wrote: "
+                          + ("[bold green]yes" if same else "[bold red]no"))
         finally:
             shutil.rmtree(train_store, ignore_errors=True)
+            shutil.rmtree(generate_store, ignore_errors=True)
+            shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(report, indent=2))
     shutil.rmtree(store, ignore_errors=True)
     return 0

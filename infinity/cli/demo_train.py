@@ -25,6 +25,8 @@ from infinity.cli.plot import line_chart
 from infinity.config import InfinityConfig, MiB
 
 PROMPT = b"Infinity is "
+SAMPLE_SEED = 0
+SAMPLE_TOKENS = 48
 SEQUENCE = 64
 BATCH = 8
 
@@ -57,7 +59,8 @@ def _nvme_bytes(stats: dict[str, Any]) -> tuple[int, int]:
 
 
 def train_part(config: InfinityConfig, base: Path, console: Console, *,
-               steps: int) -> dict[str, object]:
+               steps: int, save_dir: Path | None = None) -> dict[str, object]:
+    """Train; with `save_dir`, save the trained model there as transformers saves one."""
     import infinity
     import infinity.torch as itorch
 
@@ -116,14 +119,23 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
                             expand=False))
         model.eval()
         prompt = torch.tensor([list(PROMPT)])
-        torch.manual_seed(0)  # the same line every run
+        torch.manual_seed(SAMPLE_SEED)  # the same line every run
         with torch.no_grad():
             # Sampled (top-k): after a few dozen steps a byte-level model's single most likely
             # next byte is a space, so greedy decoding would print nothing but spaces.
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt),  # type: ignore[operator]
-                                 max_new_tokens=48, do_sample=True, top_k=8, temperature=0.8)
+                                 max_new_tokens=SAMPLE_TOKENS, do_sample=True, top_k=8,
+                                 temperature=0.8)
         text = bytes(out[0].tolist()).decode("utf-8", "replace")
         console.print(f"the trained model, sampled, from {PROMPT.decode()!r}: [bold]{text!r}")
+        if save_dir is not None:
+            # The weights as the store holds them, one at a time (the process holds none).
+            state = itorch.offload_state(model)
+            weights = {name: state.parameter(param) for name, param in state.stored_names()}
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()  # the demo draws its own
+            model.save_pretrained(str(save_dir), state_dict=weights)  # type: ignore[operator]
         read, written = _nvme_bytes(client.stats())
         return {"steps": steps, "parameters": num_params, "state_bytes": state_bytes,
                 "cpu_budget_bytes": budget, "first_loss": round(losses[0], 4),

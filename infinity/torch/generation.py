@@ -55,7 +55,7 @@ def load_causal_lm(client: Any, *, namespace: str, device: torch.device | str | 
         with empty_parameters():
             # Built in the weights' dtype, as from_pretrained(torch_dtype=...) builds it, so that
             # buffers computed at construction come out the same.
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, **{_dtype_keyword(): dtype})
     except ValueError as exc:  # a config transformers has no causal LM class for
         raise InvalidRequestError(
             f"namespace {namespace!r} holds a model transformers cannot build as a causal LM "
@@ -82,9 +82,18 @@ def load_tokenizer(client: Any, *, namespace: str) -> Any:
                 f"import the model from a folder that has its tokenizer files") from None
 
 
+def _dtype_keyword() -> str:
+    """transformers 4.56 renamed `torch_dtype` to `dtype` (the old name warns)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def _weights_dtype(config: Any) -> torch.dtype:
     """The dtype the model's weights were saved in (its config says), else float32."""
-    dtype = getattr(config, "torch_dtype", None)
+    # `dtype` since transformers 4.56 (reading `torch_dtype` there warns), `torch_dtype` before.
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
