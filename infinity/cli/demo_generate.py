@@ -11,14 +11,13 @@ the daemon streams the layers in the order the previous tokens taught it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
 
+from infinity.cli.demo_train import nvme_bytes, private_daemon_config
 from infinity.config import InfinityConfig, MiB
 
 
@@ -50,13 +49,8 @@ def generate_part(config: InfinityConfig, base: Path, console: Console, *, model
     weight_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     budget = max(8 * MiB, weight_bytes // 4 // (2 * MiB) * (2 * MiB))
     store = base / "generate-store"
-    store.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.replace(
-        config,
-        daemon=dataclasses.replace(config.daemon, runtime_dir=str(base / "generate-run")),
-        nvme=dataclasses.replace(config.nvme, dirs=(str(store),)),
-        cpu=dataclasses.replace(config.cpu, budget_bytes=budget, segment_bytes=2 * MiB))
-    config.cpu.validate()
+    config = private_daemon_config(config, store=store, runtime_dir=base / "generate-run",
+                                   budget_bytes=budget, segment_bytes=2 * MiB)
     console.rule("[bold]Generating with the weights in infinityd")
     client = infinity.connect(config=config, start=True, name="demo-generate")
     try:
@@ -66,7 +60,7 @@ def generate_part(config: InfinityConfig, base: Path, console: Console, *, model
                       f"{budget / MiB:.0f} MiB, the rest streams from NVMe in {store}")
         model = itorch.load_causal_lm(client, namespace="demo-lm")
         streamer = _ByteStreamer(console)
-        before = _nvme_read_bytes(client.stats())
+        before, _ = nvme_bytes(client.stats())
         ids = torch.tensor([list(prompt)])
         console.print(prompt.decode(), end="", markup=False, highlight=False)
         torch.manual_seed(sample_seed)
@@ -74,7 +68,7 @@ def generate_part(config: InfinityConfig, base: Path, console: Console, *, model
         out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer,
                              max_new_tokens=max_new_tokens, do_sample=True, top_k=8,
                              temperature=0.8)
-        read = _nvme_read_bytes(client.stats()) - before
+        read = nvme_bytes(client.stats())[0] - before
         text = bytes(out[0].tolist()).decode("utf-8", "replace")
         arrivals = streamer.arrivals
         per_token_s = ((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
@@ -91,6 +85,3 @@ def generate_part(config: InfinityConfig, base: Path, console: Console, *, model
         client.close()
 
 
-def _nvme_read_bytes(stats: dict[str, Any]) -> int:
-    tiers = stats.get("counters", {}).get("tiers", {})
-    return int(tiers.get("reload_bytes", 0) + tiers.get("stream_read_bytes", 0))

@@ -51,7 +51,22 @@ def build_model() -> torch.nn.Module:
                                       n_layer=6, n_head=8, bos_token_id=10, eos_token_id=10))
 
 
-def _nvme_bytes(stats: dict[str, Any]) -> tuple[int, int]:
+def private_daemon_config(config: InfinityConfig, *, store: Path, runtime_dir: Path,
+                          budget_bytes: int, segment_bytes: int) -> InfinityConfig:
+    """The settings of a demo part's own daemon: its runtime folder, one store folder (made
+    here) and a CPU tier of `budget_bytes`."""
+    store.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(
+        config,
+        daemon=dataclasses.replace(config.daemon, runtime_dir=str(runtime_dir)),
+        nvme=dataclasses.replace(config.nvme, dirs=(str(store),)),
+        cpu=dataclasses.replace(config.cpu, budget_bytes=budget_bytes,
+                                segment_bytes=segment_bytes))
+    config.cpu.validate()
+    return config
+
+
+def nvme_bytes(stats: dict[str, Any]) -> tuple[int, int]:
     tiers = stats.get("counters", {}).get("tiers", {})
     read = tiers.get("reload_bytes", 0) + tiers.get("stream_read_bytes", 0)
     written = tiers.get("writeback_bytes", 0) + tiers.get("stream_write_bytes", 0)
@@ -69,13 +84,8 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
     state_bytes = num_params * 16  # parameter, gradient and two moments, fp32
     budget = max(16 * MiB, state_bytes // 4 // (2 * MiB) * (2 * MiB))
     store = base / "train-store"
-    store.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.replace(
-        config,
-        daemon=dataclasses.replace(config.daemon, runtime_dir=str(base / "train-run")),
-        nvme=dataclasses.replace(config.nvme, dirs=(str(store),)),
-        cpu=dataclasses.replace(config.cpu, budget_bytes=budget, segment_bytes=4 * MiB))
-    config.cpu.validate()
+    config = private_daemon_config(config, store=store, runtime_dir=base / "train-run",
+                                   budget_bytes=budget, segment_bytes=4 * MiB)
     console.rule("[bold]Training with the state in infinityd")
     console.print(f"GPT-2 from a config: {num_params / 1e6:.1f}M parameters, "
                   f"{state_bytes / MiB:.0f} MiB of training state; the daemon's CPU tier holds "
@@ -90,7 +100,7 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
         optimizer = itorch.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps,
                                                         pct_start=0.2)
-        read0, written0 = _nvme_bytes(client.stats())
+        read0, written0 = nvme_bytes(client.stats())
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[step]}"),
                    TextColumn("NVMe read {task.fields[read]} written {task.fields[written]}"),
@@ -110,7 +120,7 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
                 scheduler.step()
                 step_times.append(time.perf_counter() - start)
                 losses.append(float(loss.detach()))
-                read, written = _nvme_bytes(client.stats())
+                read, written = nvme_bytes(client.stats())
                 progress.update(task, advance=1, loss=f"{losses[-1]:.3f}",
                                 step=f"{step_times[-1]:.2f} s/step",
                                 read=f"{(read - read0) / MiB:.0f} MiB",
@@ -136,7 +146,7 @@ def train_part(config: InfinityConfig, base: Path, console: Console, *,
 
             transformers_logging.disable_progress_bar()  # the demo draws its own
             model.save_pretrained(str(save_dir), state_dict=weights)  # type: ignore[operator]
-        read, written = _nvme_bytes(client.stats())
+        read, written = nvme_bytes(client.stats())
         return {"steps": steps, "parameters": num_params, "state_bytes": state_bytes,
                 "cpu_budget_bytes": budget, "first_loss": round(losses[0], 4),
                 "last_loss": round(losses[-1], 4),
