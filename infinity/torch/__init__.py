@@ -9,9 +9,10 @@ from typing import Any
 from infinity.torch.empty import empty_parameters
 from infinity.torch.offload import OffloadConfig, OffloadState, offload, offload_state
 from infinity.torch.optim import Adam, AdamW
+from infinity.torch.restart import resume_point
 
 __all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping",
-           "empty_parameters", "offload", "offload_state"]
+           "empty_parameters", "offload", "offload_state", "resume_point"]
 
 
 def __getattr__(name: str) -> Any:

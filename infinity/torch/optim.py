@@ -405,16 +405,8 @@ class _StoreAdam(torch.optim.Optimizer):
                         "the stored training state holds no scheduler state (the run that "
                         "stored it passed none to resume()); pass no scheduler, or start afresh")
                 scheduler.load_state_dict(record.scheduler)
-        if scheduler is not None and getattr(scheduler.step, "infinity_records", None) is not self:
-            plain_step = scheduler.step
-
-            def step(*args: Any, **kwargs: Any) -> Any:
-                result = plain_step(*args, **kwargs)
-                self._send_record()  # the scheduler's new state, and the lr it set
-                return result
-
-            step.infinity_records = self  # type: ignore[attr-defined]
-            scheduler.step = step
+        if scheduler is not None:
+            _record_each_step(scheduler)
         self._scheduler = scheduler
         return self._calls
 
@@ -561,6 +553,32 @@ def _require_offloaded(param: Any) -> OffloadState:
             "infinity.torch.offload(model, client, namespace=...) before building the "
             "optimizer (or adding a parameter group), and pass that model's parameters")
     return state
+
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _record_each_step(scheduler: Any) -> None:
+    """Make each `scheduler.step()` send the optimizer's record (the scheduler's new state and
+    the lr it set), so a restart finds the scheduler where the loop left it. The scheduler's
+    class becomes a subclass whose `step` does that after its own: its `state_dict()` (the
+    instance's attributes) stays as it was, which a wrapper stored on the instance would not."""
+    base = type(scheduler)
+    if base in _RECORDING_CLASSES.values():
+        return
+    if base not in _RECORDING_CLASSES:
+        plain_step = base.step
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = plain_step(self, *args, **kwargs)
+            optimizer = getattr(self, "optimizer", None)
+            if isinstance(optimizer, _StoreAdam) and optimizer._scheduler is self:
+                optimizer._send_record()
+            return result
+
+        _RECORDING_CLASSES[base] = type(base.__name__, (base,), {
+            "step": step, "__module__": base.__module__, "__doc__": base.__doc__})
+    scheduler.__class__ = _RECORDING_CLASSES[base]
 
 
 def _let_grad_scalers_see_stored_gradients() -> None:
