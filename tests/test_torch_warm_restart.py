@@ -79,14 +79,16 @@ def stored_state(client: Any, namespace: str, model: str) -> dict[str, torch.Ten
     return values
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model,delay_update", [("gpt2", False), ("llama", True)],
+                         ids=["gpt2", "llama-delay_update"])
 def test_a_trainer_killed_at_step_10_goes_on_from_the_store_with_unchanged_losses(
-        daemon: Any, client: Any, model: str) -> None:
-    expected = uninterrupted(client, "reference", model, 13)
-    trainer = start_trainer(daemon, "run", model, 13, "--wait-before", "11")
+        daemon: Any, client: Any, model: str, delay_update: bool) -> None:
+    options = ["--delay-update"] if delay_update else []
+    expected = uninterrupted(client, "reference", model, 13, delay_update=delay_update)
+    trainer = start_trainer(daemon, "run", model, 13, "--wait-before", "11", *options)
     before = read_until(trainer, "waiting")  # step 11's gradients are in the store by now
     kill(trainer)
-    restarted = run_to_end(start_trainer(daemon, "run", model, 13))
+    restarted = run_to_end(start_trainer(daemon, "run", model, 13, *options))
     assert before[0] == {"resumed_at": 0}
     assert losses_of(before) == {step: expected[step] for step in range(1, 11)}
     assert restarted[0] == {"resumed_at": 10}

@@ -1,18 +1,22 @@
 """Torch integration: `offload` (a module's parameters in the store, present around their use,
 gradients leaving for the store as they are produced) and `Adam` / `AdamW` (optimizer state in
 the store, the step in infinityd). `StoredGradientClipping` (a transformers.Trainer callback) is
-imported on first use, so nothing else here needs transformers. Checkpoints and streamed
-generation come next (issues 20-21)."""
+imported on first use, so nothing else here needs transformers. `save_checkpoint` /
+`load_checkpoint` (`infinity.torch.checkpoint`) write and read the whole training state as
+safetensors files; `resume_point` and `optimizer.resume(scheduler)` (`infinity.torch.restart`)
+let a killed trainer go on from the daemon's state without one."""
 
 from typing import Any
 
+from infinity.torch.checkpoint import load_checkpoint, save_checkpoint
 from infinity.torch.empty import empty_parameters
 from infinity.torch.offload import OffloadConfig, OffloadState, offload, offload_state
 from infinity.torch.optim import Adam, AdamW
 from infinity.torch.restart import resume_point
 
 __all__ = ["Adam", "AdamW", "OffloadConfig", "OffloadState", "StoredGradientClipping",
-           "empty_parameters", "offload", "offload_state", "resume_point"]
+           "empty_parameters", "load_checkpoint", "offload", "offload_state", "resume_point",
+           "save_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:

@@ -65,6 +65,7 @@ were not offloaded.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -77,11 +78,24 @@ from infinity.torch.offload import (GradStats, OffloadState, _Param, measure_gra
 from infinity.torch.restart import (RECORD_BYTES, OptimizerRecord, names_digest, plain_groups,
                                     read_record, record_name, restore_groups)
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "StoredParameter"]
 
 SUBGROUP_BYTES = 8 << 20  # fp32 bytes of parameters per request: the next forward waits for one
 
 _Request = tuple[OffloadState, _Param, wire.AdamItem]  # a parameter's item of a step
+
+
+@dataclass(frozen=True)
+class StoredParameter:
+    """One parameter of the optimizer as the store holds it (for checkpoints)."""
+
+    param: nn.Parameter
+    state: OffloadState
+    name: str                # its stored name
+    names: dict[str, str]    # its optimizer state's: exp_avg, exp_avg_sq, master, copy ("": none)
+    current: str             # the stored name of its newest values
+    previous: str            # delayed update: the copy computed with until the next step, or ""
+    step: int
 
 
 class _StoreAdam(torch.optim.Optimizer):
@@ -292,22 +306,25 @@ class _StoreAdam(torch.optim.Optimizer):
         """Wait until the steps sent are applied in the daemon; raise the first error one met
         (the step of the other parameters is applied). With the delayed update, the module
         computes with the last step's parameters from here on."""
+        # Taken first: after an error the module keeps the copies it has (the master copies
+        # have the update; the next step writes it into the other copies).
+        written, self._written = self._written, {}
+        self.wait_for_daemon()
+        for state, names in written.values():
+            state.read_from(names)
+
+    def wait_for_daemon(self) -> None:
+        """Wait until the steps and records sent are applied in the daemon, changing nothing
+        else: with the delayed update the module goes on with the copies it computes with
+        until the next step (a checkpoint saves both, and the run goes on as if unsaved)."""
         for state in {id(s): s for s in self._owners.values()}.values():
             state.settle_steps()
-        if self._delayed or self._written:
-            pending, self._delayed = self._delayed, []
-            written, self._written = self._written, {}
-            for step in pending:
-                step.result()  # an error: the module keeps the copies it has (the master
-                # copies have the update; the next step writes it into the other copies)
-            for state, names in written.values():
-                state.read_from(names)
-        self._wait_for_records()
-
-    def _wait_for_records(self) -> None:
+        pending, self._delayed = self._delayed, []
+        for step in pending:
+            step.result()
         records, self._records = self._records, []
-        for pending in records:
-            pending.result()
+        for record in records:
+            record.result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward replaces the stored gradients (they left the process already)."""
@@ -390,7 +407,7 @@ class _StoreAdam(torch.optim.Optimizer):
         state (build it as the first run did, then call this), and from now on records the
         scheduler's state with each of its steps, so the next restart finds it too. Call it
         before the first step, fresh or restarted (see `infinity.torch.restart`)."""
-        self.synchronize()
+        self.wait_for_daemon()  # (no switch of the delayed update's copies: not a step)
         record = self._taken
         if record is None and self._stored is not None:
             raise InvalidRequestError(
@@ -488,6 +505,54 @@ class _StoreAdam(torch.optim.Optimizer):
         """A step of no items that carries the record only (a skipped step, a scheduler's)."""
         stepper = self._steppers[id(self._record_home().client)]
         self._records += stepper.send_step([], [], record=record or self._record())
+
+    # --- checkpoints (infinity.torch.checkpoint) ----------------------------------------
+
+    def stored_parameters(self) -> list[StoredParameter]:
+        """What the store holds of each parameter, in the optimizer's order (call
+        `wait_for_daemon` first)."""
+        pending = {name: copy for _, names in self._written.values()
+                   for name, copy in names.items()}
+        stored = []
+        for param in self._ordered():
+            state = self._owner(param)
+            entry = state.entry_of(param)
+            current = pending.get(entry.name, entry.read_name)
+            stored.append(StoredParameter(
+                param, state, entry.name, self._names(state, param), current,
+                entry.read_name if current != entry.read_name else "",
+                int(self.state[param]["step"].item()) if "step" in self.state.get(param, {})
+                else 0))
+        return stored
+
+    def restore_loop(self, steps: list[int], groups: list[dict[str, Any]], calls: int,
+                     pending: list[bool], scheduler: Any = None) -> None:
+        """Take a loaded state as this optimizer's own: each parameter's step count (in the
+        optimizer's order), the groups' hyperparameters, the number of steps taken, which
+        parameters (delayed update) compute with their own stored name until the next step
+        and with the second copy after it, and the scheduler to record; then record it."""
+        self.wait_for_daemon()
+        self._written = {}
+        for param, step, switches in zip(self._ordered(), steps, pending):
+            if step:
+                self.state[param]["step"] = torch.tensor(float(step))
+            else:
+                self.state[param].pop("step", None)
+            state = self._owner(param)
+            entry = state.entry_of(param)
+            state.read_from({entry.name: entry.name})
+            if switches:
+                copy = self._names(state, param)["copy"]
+                self._written.setdefault(id(state), (state, {}))[1][entry.name] = copy
+        restore_groups(self.param_groups, groups)
+        self._calls = calls
+        if scheduler is not None:
+            _record_each_step(scheduler)
+        self._scheduler = scheduler
+        record = self._record()
+        self._stored, self._taken = None, OptimizerRecord.decode(record[2])
+        self._send_record(record)
+        self.wait_for_daemon()
 
     # --- state_dict ------------------------------------------------------------------------
 
