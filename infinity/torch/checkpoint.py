@@ -19,8 +19,8 @@ namespace (a fresh one, or the same) and returns the number of steps taken: trai
 exactly the losses of a run that did not stop.
 
 Every tensor goes between the store and its file on its own (`read_into` into a map of its bytes
-in the file, `write_from` from one tensor read back), so the process never holds more than one
-tensor, whatever the model's size; a state over a GiB shows a rich progress bar. The optimizer's
+in the file, `write_from` from one tensor read back with plain reads), so the process never holds
+more than one tensor, whatever the model's size; a state over a GiB shows a rich progress bar. The optimizer's
 steps still running in the daemon are waited for first, and nothing else changes: the run goes on
 as if it had not been saved.
 
@@ -51,8 +51,8 @@ from infinity.errors import CheckpointError
 from infinity.torch.offload import OffloadState, offload_state
 from infinity.torch.optim import StoredParameter, _StoreAdam
 from infinity.torch.restart import plain_groups
-from infinity.torch.safetensors_files import (FileTensor, fsync_path, plan_shards, write_file,
-                                              write_index)
+from infinity.torch.safetensors_files import (FileTensor, TensorFile, fsync_path, plan_shards,
+                                              write_file, write_index)
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -451,7 +451,7 @@ class _Reader:
 
     def __init__(self, files: dict[str, str]) -> None:
         self._files = files
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, TensorFile] = {}
 
     def __enter__(self) -> _Reader:
         return self
@@ -459,18 +459,12 @@ class _Reader:
     def __exit__(self, *exc: Any) -> None:
         self._open.clear()
 
-    def _file_of(self, key: str) -> Any:
-        from safetensors import safe_open
-
+    def _file_of(self, key: str) -> TensorFile | None:
         path = self._files.get(key, self._files.get("*"))
         if path is None:
             return None
         if path not in self._open:
-            try:
-                self._open[path] = safe_open(path, framework="pt")
-            except Exception as exc:  # the library raises its own types for bad files
-                raise CheckpointError(f"{path} cannot be read as safetensors ({exc}); the "
-                                      f"checkpoint is damaged") from None
+            self._open[path] = TensorFile(path)
         return self._open[path]
 
     def has(self, key: str) -> bool:
@@ -481,8 +475,9 @@ class _Reader:
         if not self.has(key):
             raise CheckpointError(f"the checkpoint's files hold no tensor {key!r}; it is "
                                   f"incomplete or of another model")
-        tensor: torch.Tensor = self._file_of(key).get_tensor(key)
-        return tensor
+        file = self._file_of(key)
+        assert file is not None
+        return file.get(key)
 
 
 def _write(state: OffloadState, name: str, value: torch.Tensor) -> None:

@@ -12,8 +12,9 @@ process holds at most one tensor's mapped pages at a time, and no copy of them.
 `plan_shards` cuts a list of tensors into files of at most `max_shard_bytes` (Hugging Face's
 names: `model.safetensors`, or `model-00001-of-00003.safetensors` and an index
 `model.safetensors.index.json` mapping each tensor to its file), so `transformers`
-`from_pretrained` reads them as its own. Reading back is the `safetensors` library's `safe_open`,
-one tensor at a time.
+`from_pretrained` reads them as its own. `TensorFile` reads one back a tensor at a time with
+plain reads into a tensor of its own (not a map of the file, whose pages would stay resident
+while it is open, the whole file in the end).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["FileTensor", "fsync_path", "plan_shards", "write_file", "write_index"]
+from infinity.errors import CheckpointError
+
+__all__ = ["FileTensor", "TensorFile", "fsync_path", "plan_shards", "write_file", "write_index"]
+
+MAX_HEADER_BYTES = 100 << 20  # what the safetensors library accepts too
 
 # The store's dtype names (infinity.protocol.dtypes) as safetensors names them.
 SAFETENSORS_DTYPES = {
@@ -116,6 +121,51 @@ def _fill_range(fd: int, position: int, tensor: FileTensor) -> None:
         finally:
             del view  # the map cannot close while a tensor still exports its memory
         mapped.flush()
+
+
+class TensorFile:
+    """A safetensors file read one tensor at a time; a file that is not one is a
+    CheckpointError."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as file:
+                length = int.from_bytes(file.read(8), "little")
+                if not 0 < length <= MAX_HEADER_BYTES:
+                    raise ValueError(f"a header of {length} bytes")
+                header = json.loads(file.read(length))
+                size = os.fstat(file.fileno()).st_size
+            header.pop("__metadata__", None)
+            names = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+            self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+            for key, entry in header.items():
+                begin, end = (int(x) for x in entry["data_offsets"])
+                dtype = getattr(torch, names[entry["dtype"]])
+                shape = tuple(int(dim) for dim in entry["shape"])
+                count = 1
+                for dim in shape:
+                    count *= dim
+                if end - begin != count * dtype.itemsize or 8 + length + end > size:
+                    raise ValueError(f"tensor {key!r} does not fit its bytes")
+                self._entries[key] = (dtype, shape, 8 + length + begin, end - begin)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path} cannot be read as safetensors ({exc}); the "
+                                  f"checkpoint is damaged or incomplete") from None
+
+    def keys(self) -> set[str]:
+        return set(self._entries)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor, read into memory of its own."""
+        dtype, shape, offset, nbytes = self._entries[key]
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        with open(self.path, "rb") as file:
+            file.seek(offset)
+            if file.readinto(raw.numpy().data) != nbytes:
+                raise CheckpointError(f"{self.path} ends inside tensor {key!r}; the checkpoint "
+                                      f"is damaged")
+        return raw.view(dtype).reshape(shape)
 
 
 def fsync_path(path: str) -> None:
