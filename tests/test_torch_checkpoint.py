@@ -17,6 +17,7 @@ import torch
 
 import infinity.torch as itorch
 from infinity.errors import CheckpointError
+from conftest import rss_growth_during
 from restartable_trainer import builder, train, warmup
 from test_torch_warm_restart import read_until, start_trainer
 
@@ -186,10 +187,6 @@ def test_a_state_four_times_the_cpu_tier_round_trips_holding_one_tensor_at_a_tim
     """A state of 25 MB (parameters and both moments) lives mostly on NVMe behind an 8 MiB CPU
     tier; saving and loading it grow this process's resident memory (mapped file pages
     included) by far less than the state, sampled every 5 ms."""
-    import threading
-
-    import psutil
-
     client = nvme_daemon.connect("large")
     folder = str(tmp_path / "checkpoint")
     model, optimizer = linear_stack("saved", client)
@@ -198,24 +195,13 @@ def test_a_state_four_times_the_cpu_tier_round_trips_holding_one_tensor_at_a_tim
     state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 3
     assert state_bytes >= 3 * nvme_daemon.config.cpu.budget_bytes
     fresh, fresh_optimizer = linear_stack("loaded", client)
-    me = psutil.Process()
-    start = me.memory_info().rss
-    peak = [start]
-    done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.005):
-            peak[0] = max(peak[0], me.memory_info().rss)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    def save_and_load() -> None:
         itorch.save_checkpoint(folder, model, optimizer, progress=True)
         assert itorch.load_checkpoint(folder, fresh, fresh_optimizer, progress=True) == 1
-    finally:
-        done.set()
-        sampler.join()
-    assert peak[0] - start <= state_bytes // 4, (peak[0] - start, state_bytes)
+
+    growth = rss_growth_during(os.getpid(), save_and_load, interval_s=0.005)
+    assert growth <= state_bytes // 4, (growth, state_bytes)
     saved, loaded = stored_tensors(client, "saved"), stored_tensors(client, "loaded")
     assert saved.keys() == loaded.keys()
     for name, value in saved.items():
