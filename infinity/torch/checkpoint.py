@@ -193,7 +193,7 @@ def _optimizer_document(optimizer: Any, state: OffloadState,
     groups = plain_groups(optimizer.param_groups)
     for group, values in zip(optimizer.param_groups, groups):
         values["params"] = [names[id(param)] for param in group["params"]]
-    return {"class": type(optimizer).__name__, "calls": optimizer._calls, "groups": groups,
+    return {"class": type(optimizer).__name__, "calls": optimizer.steps_taken, "groups": groups,
             "steps": {names[id(p.param)]: p.step for p in stored},
             "previous": [names[id(p.param)] for p in stored if p.previous]}
 

@@ -427,6 +427,12 @@ class _StoreAdam(torch.optim.Optimizer):
         self._scheduler = scheduler
         return self._calls
 
+    @property
+    def steps_taken(self) -> int:
+        """The number of `step()` calls of the run, skipped ones included, counted on from the
+        stored state or checkpoint it went on from."""
+        return self._calls
+
     def _record_home(self) -> OffloadState:
         """The offload state whose namespace and prefix hold the record: the first
         parameter's."""
