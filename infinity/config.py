@@ -196,6 +196,9 @@ class DaemonConfig:
     log_level: str = "info"
     request_timeout_s: float = 30.0  # a client gives up on a reply after this long
     start_timeout_s: float = 30.0  # `infinityd start` / connect(start=True) wait this long for it
+    # debug: each parameter of an optimizer step waits this long after the one before it, so a
+    # test can stop a trainer in the middle of the daemon's step (0: no wait)
+    debug_step_delay_s: float = 0.0
 
     def validate(self) -> None:
         _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
@@ -208,6 +211,7 @@ class DaemonConfig:
                  "daemon.log_level must be debug, info, warning or error")
         _require(self.request_timeout_s > 0, "daemon.request_timeout_s must be positive")
         _require(self.start_timeout_s > 0, "daemon.start_timeout_s must be positive")
+        _require(self.debug_step_delay_s >= 0, "daemon.debug_step_delay_s must be 0 or more")
 
 
 @dataclass(frozen=True)

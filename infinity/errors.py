@@ -148,6 +148,13 @@ class ModelFormatError(InfinityError):
     code = "model_format"
 
 
+class CheckpointError(InvalidRequestError):
+    """A checkpoint folder is not one, is incomplete, or holds the state of another model or
+    optimizer than the one it is loaded into (raised by the client, never sent)."""
+
+    code = "checkpoint"
+
+
 # --- protocol and connection -----------------------------------------------
 
 

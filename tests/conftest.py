@@ -106,6 +106,30 @@ def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str) -> 
         time.sleep(0.01)
 
 
+def rss_growth_during(pid: int, action: Callable[[], Any], *, interval_s: float) -> int:
+    """How far the resident memory of process `pid` rose above its size at the start while
+    `action` ran, sampled every `interval_s`."""
+    import psutil
+
+    process = psutil.Process(pid)
+    start = process.memory_info().rss
+    peak = [start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        action()
+    finally:
+        done.set()
+        sampler.join()
+    return peak[0] - start
+
+
 def run_in_threads(work: Callable[[int], None], count: int) -> None:
     """Run work(0) .. work(count - 1) on threads at once; re-raise the first failure here."""
     errors: list[BaseException] = []

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import infinity.torch as itorch
+from conftest import rss_growth_during
 from tiny_models import gpt2, llama
 from infinity.errors import InvalidRequestError
 
@@ -216,41 +217,26 @@ def test_the_daemons_memory_stays_within_its_cpu_tier_with_state_four_times_larg
     """Training state (parameters, gradients, both moments) 4x the daemon's CPU tier lives on NVMe:
     the daemon's resident memory (its own plus the tier's shared segments it maps) grows by at
     most the tier's budget plus a fixed allowance, sampled every 10 ms while training."""
-    import threading
-
-    import psutil
-
     budget = nvme_daemon.config.cpu.budget_bytes  # 8 MiB (PREFETCH_SETTINGS)
     torch.manual_seed(0)
     width, depth = 365, 16  # 16 x (365 x 365 + 365) parameters: 34 MB of state in fp32
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
     state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 4
     assert state_bytes >= 4 * budget
-    process = psutil.Process(nvme_daemon.process.pid)
     client = nvme_daemon.connect("bounded")
     try:
         model = itorch.offload(model, client, namespace="bounded")
         optimizer = itorch.AdamW(model.parameters(), lr=1e-3)
-        start = process.memory_info().rss
-        peak = [start]
-        done = threading.Event()
 
-        def sample() -> None:
-            while not done.wait(0.01):
-                peak[0] = max(peak[0], process.memory_info().rss)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
+        def train() -> None:
             for _ in range(3):
                 model(torch.randn(4, width)).pow(2).mean().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-        finally:
-            done.set()
-            sampler.join()
+
+        growth = rss_growth_during(nvme_daemon.process.pid, train, interval_s=0.01)
         allowance = 48 << 20  # the daemon's own buffers: staging, index, Python objects
-        assert peak[0] - start <= budget + allowance, (peak[0] - start, budget)
+        assert growth <= budget + allowance, (growth, budget)
         assert client.stats()["counters"]["tiers"]["reload_bytes"] > state_bytes  # it streamed
     finally:
         client.close()

@@ -6,6 +6,11 @@ so the client waits as long as the daemon lives). `AdamStepper` sends steps with
 (`send` returns a `PendingAdamStep`), so a trainer goes on computing while the daemon steps and
 waits only where it needs an updated parameter; the daemon serves the requests in the order they
 were sent.
+
+`AdamStepper.send_step` sends one step as several requests (sub-groups, perhaps of several
+namespaces) that the daemon applies all or none, with an optional record it writes once the step is
+applied (see `wire.AdamStep`); `wait_for_steps` returns once every step the daemon received before
+it in a namespace is applied, whoever sent it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ class OptimizerCalls(Session):
                                  patient=True)
             self._raise_first(results)
 
+    def wait_for_steps(self, *, namespace: str) -> None:
+        """Return once every optimizer step the daemon received before this call that touches
+        `namespace` is applied, whoever sent it (a restarted trainer waits here for the step its
+        predecessor left running)."""
+        self._raise_first(self._call(wire.AdamStep(namespace, (), ()), patient=True))
+
     def adam_stepper(self) -> AdamStepper:
         """A sender of steps answered later (see `AdamStepper`)."""
         return AdamStepper(self)
@@ -57,17 +68,42 @@ class AdamStepper:
              namespace: str = "default") -> PendingAdamStep:
         """Send one step over `items` (several requests when they are more than one may
         carry) and return at once."""
+        return self.send_step(groups, [(namespace, items)])[0]
+
+    def send_step(self, groups: Sequence[wire.AdamGroup],
+                  parts: Sequence[tuple[str, Sequence[wire.AdamItem]]], *,
+                  record: tuple[str, str, bytes] | None = None) -> list[PendingAdamStep]:
+        """Send one step as `parts` ((namespace, items) each, in the order the daemon is to
+        serve them), applied all or none, and return at once: one pending answer per part.
+        `record` (namespace, name of a stored uint8 tensor, bytes) is written once the whole
+        step is applied; a step of no parts carries only its record (one pending answer)."""
         client = self._client
-        request_ids: list[int] = []
+        requests: list[tuple[int, str, tuple[wire.AdamItem, ...]]] = []  # (part, ns, items)
+        for index, (namespace, items) in enumerate(parts):
+            for start in range(0, max(1, len(items)), wire.MAX_ITEMS):
+                requests.append((index, namespace, tuple(items[start:start + wire.MAX_ITEMS])))
+        if not requests:
+            if record is None:
+                return []
+            requests.append((0, record[0], ()))
+        if record is not None and record[0] != requests[-1][1]:
+            # The record rides on the step's last request, which names one namespace: one of
+            # no items in the record's namespace, answered with the last part.
+            requests.append((requests[-1][0], record[0], ()))
+        request_ids: list[list[int]] = [[] for _ in range(max(1, len(parts)))]
         with self._lock:
             client._check_usable()
-            for start in range(0, len(items), wire.MAX_ITEMS):
-                request_id = next(client._request_ids)
+            first = next(client._request_ids)  # unique in the session: the step's id
+            for number, (index, namespace, items) in enumerate(requests):
+                request_id = first if number == 0 else next(client._request_ids)
+                last = number == len(requests) - 1
                 self._channel.send(request_id, wire.AdamStep(
-                    namespace, tuple(groups), tuple(items[start:start + wire.MAX_ITEMS])),
+                    namespace, tuple(groups), items, first if len(requests) > 1 else 0, number,
+                    len(requests), record[1] if last and record else "",
+                    record[2] if last and record else b""),
                     expect_reply=True, releases=client._take_releases())
-                request_ids.append(request_id)
-        return PendingAdamStep(self, request_ids)
+                request_ids[index].append(request_id)
+        return [PendingAdamStep(self, ids) for ids in request_ids]
 
     def _wait(self, request_id: int) -> tuple[Any, ...]:
         with self._lock:

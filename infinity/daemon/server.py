@@ -98,12 +98,14 @@ class Daemon:
         self.tasks = LoopTaskPool(self.loop)
         self.optimizer = OptimizerService(self.loop, self.catalog, self.tiers, self.counters,
                                           self.namespaces, self.tasks,
-                                          cpu_tier_bytes=config.cpu.budget_bytes)
-        # A session's end: its scheduler streams first, then its streams, then its leases.
+                                          cpu_tier_bytes=config.cpu.budget_bytes,
+                                          item_delay_s=config.daemon.debug_step_delay_s)
+        # A session's end: its scheduler streams first, then its streams, then its leases, then
+        # the optimizer steps it had not sent all of.
         self.session_service = SessionService(
             config, layout, self.loop, self.arena, sessions=self.sessions,
             client_gone=(self.steps.client_gone, self.stream_service.client_gone,
-                         self.data.client_gone),
+                         self.data.client_gone, self.optimizer.client_gone),
             may_write=self.namespaces.may_map_writable)
         self.admin = AdminService(config, layout, arena=self.arena, catalog=self.catalog,
                                   tiers=self.tiers, scheduler=self.scheduler,

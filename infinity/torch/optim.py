@@ -32,6 +32,13 @@ switches the module to the copy the last step wrote once that step is done.
 stored gradients; `state_dict()` / `load_state_dict()` carry the moments (read from and written to
 the store) and the step counts.
 
+A step is applied all or none, and with it the daemon writes the optimizer's record (step
+counts, the groups' hyperparameters, the scheduler's state; `infinity.torch.restart`), so a
+trainer killed at any point and started again on the same namespace finds the state of its last
+step complete: built again, the optimizer takes its step counts (and, with the delayed update,
+which copy of each parameter is current) from the record, and `resume(scheduler)` brings back the
+hyperparameters and the scheduler and returns the number of steps taken.
+
 Gradient clipping: torch's `clip_grad_norm_` cannot see gradients that already left the process,
 so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients, and
 the factor that scales them applied inside the next step's pass. The norm adds up the sums of
@@ -58,6 +65,7 @@ were not offloaded.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -67,10 +75,27 @@ from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
 from infinity.torch.offload import (GradStats, OffloadState, _Param, measure_gradient,
                                     state_of_parameter)
+from infinity.torch.restart import (RECORD_BYTES, OptimizerRecord, names_digest, plain_groups,
+                                    read_record, record_name, restore_groups)
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "StoredParameter"]
 
 SUBGROUP_BYTES = 8 << 20  # fp32 bytes of parameters per request: the next forward waits for one
+
+_Request = tuple[OffloadState, _Param, wire.AdamItem]  # a parameter's item of a step
+
+
+@dataclass(frozen=True)
+class StoredParameter:
+    """One parameter of the optimizer as the store holds it (for checkpoints)."""
+
+    param: nn.Parameter
+    state: OffloadState
+    name: str                # its stored name
+    names: dict[str, str]    # its optimizer state's: exp_avg, exp_avg_sq, master, copy ("": none)
+    current: str             # the stored name of its newest values
+    previous: str            # delayed update: the copy computed with until the next step, or ""
+    step: int
 
 
 class _StoreAdam(torch.optim.Optimizer):
@@ -115,9 +140,17 @@ class _StoreAdam(torch.optim.Optimizer):
         self._clip_factor = 1.0    # from clip_grad_norm_, for the next step
         self._unscaled_by = 1.0    # 1 / loss scale, where a GradScaler's unscale_ asked for it
         self._overlap = overlap
+        self._calls = 0            # step() calls, skipped ones included
+        self._scheduler: Any = None  # the one given to resume(): its state goes in the record
+        self._records: list[Any] = []  # record-only steps sent, not answered yet
+        self._waited: set[tuple[int, str]] = set()  # (client, namespace) settled before use
+        self._digest = ""          # of the parameters' stored names, in order ("" to compute)
+        self._stored: OptimizerRecord | None = None  # a record found in the store, until taken
+        self._taken: OptimizerRecord | None = None   # the record this optimizer went on from
         for group in self.param_groups:
             for param in group["params"]:
                 self._adopt(param)
+        self._find_record()
         _let_grad_scalers_see_stored_gradients()
 
     # --- the parameters' state in the store -----------------------------------------------
@@ -130,6 +163,11 @@ class _StoreAdam(torch.optim.Optimizer):
         entry = state.entry_of(param)
         names = self._names(state, param)
         client, namespace = state.client, state.config.namespace
+        if (id(client), namespace) not in self._waited:
+            # A trainer restarted on this namespace: the step its predecessor left running in
+            # the daemon is applied before this one reads or creates any state.
+            client.wait_for_steps(namespace=namespace)
+            self._waited.add((id(client), namespace))
         have = client.exists_many([n for n in names.values() if n], namespace=namespace)
         wanted = dict(zip([k for k, n in names.items() if n], have))
         shape = param.shape
@@ -171,6 +209,8 @@ class _StoreAdam(torch.optim.Optimizer):
         if adding_later:
             for param in self.param_groups[-1]["params"]:
                 self._adopt(param)
+            self._digest = ""
+            self._take_record()  # a restarted run whose optimizer had this group added too
 
     # --- the step -------------------------------------------------------------------------
 
@@ -184,10 +224,14 @@ class _StoreAdam(torch.optim.Optimizer):
         # forward waited for it already, but for parameters it did not use). The delayed
         # update's last step is published here: the module computes with it from now on.
         self.synchronize()
+        self._calls += 1
         grad_scale = self._take_grad_scale()
         if grad_scale is None:
-            return  # a loss scaler found an overflow: torch skips the step, so do we
-        requests: dict[tuple[int, str], list[tuple[OffloadState, _Param, wire.AdamItem]]] = {}
+            # A loss scaler found an overflow: torch skips the step, so do we (it still counts
+            # as a step of the loop, so the record learns of it).
+            self._send_record()
+            return
+        requests: dict[tuple[int, str], list[_Request]] = {}
         groups: list[wire.AdamGroup] = []
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
@@ -217,23 +261,38 @@ class _StoreAdam(torch.optim.Optimizer):
                 requests.setdefault(key, []).append((state, entry, wire.AdamItem(
                     target, entry.grad_name, names["master"], names["exp_avg"],
                     names["exp_avg_sq"], index, step)))
-        for (_, namespace), items in requests.items():
-            self._send(groups, _in_forward_order(items), namespace)
+        home = self._record_home()
+        by_client: dict[int, list[tuple[str, list[_Request]]]] = {}
+        for (client_id, namespace), items in requests.items():
+            by_client.setdefault(client_id, []).append((namespace, _in_forward_order(items)))
+        record = self._record()
+        for client_id, parts in by_client.items():
+            self._send(groups, parts, record if client_id == id(home.client) else None)
+        if id(home.client) not in by_client:
+            self._send_record(record)
         if not self._overlap:
             self.synchronize()
 
-    def _send(self, groups: list[wire.AdamGroup],
-              items: list[tuple[OffloadState, _Param, wire.AdamItem]], namespace: str) -> None:
-        """Send the items in sub-groups of about SUBGROUP_BYTES, without waiting; each
-        parameter's offload state waits for its sub-group before the parameter is used."""
-        stepper = self._steppers[id(items[0][0].client)]
-        start, nbytes = 0, 0
-        for end, (_, entry, _) in enumerate(items, 1):
-            nbytes += entry.placeholder.numel() * 4
-            if nbytes < SUBGROUP_BYTES and end < len(items):
-                continue
-            batch, start, nbytes = items[start:end], end, 0
-            pending = stepper.send(groups, [item for _, _, item in batch], namespace=namespace)
+    def _send(self, groups: list[wire.AdamGroup], parts: list[tuple[str, list[_Request]]],
+              record: tuple[str, str, bytes] | None) -> None:
+        """Send one client's share of the step, the items of each namespace in sub-groups of
+        about SUBGROUP_BYTES, as one step the daemon applies all or none (with the record, on
+        the client holding it), without waiting; each parameter's offload state waits for its
+        sub-group before the parameter is used."""
+        stepper = self._steppers[id(parts[0][1][0][0].client)]
+        batches: list[tuple[str, list[_Request]]] = []
+        for namespace, items in parts:
+            start, nbytes = 0, 0
+            for end, (_, entry, _) in enumerate(items, 1):
+                nbytes += entry.placeholder.numel() * 4
+                if nbytes < SUBGROUP_BYTES and end < len(items):
+                    continue
+                batches.append((namespace, items[start:end]))
+                start, nbytes = end, 0
+        pendings = stepper.send_step(
+            groups, [(namespace, [item for _, _, item in batch]) for namespace, batch in batches],
+            record=record)
+        for (_, batch), pending in zip(batches, pendings):
             if self._delay_update:  # the module goes on with the other copy: nothing waits
                 self._delayed.append(pending)
                 continue
@@ -247,16 +306,25 @@ class _StoreAdam(torch.optim.Optimizer):
         """Wait until the steps sent are applied in the daemon; raise the first error one met
         (the step of the other parameters is applied). With the delayed update, the module
         computes with the last step's parameters from here on."""
+        # Taken first: after an error the module keeps the copies it has (the master copies
+        # have the update; the next step writes it into the other copies).
+        written, self._written = self._written, {}
+        self.wait_for_daemon()
+        for state, names in written.values():
+            state.read_from(names)
+
+    def wait_for_daemon(self) -> None:
+        """Wait until the steps and records sent are applied in the daemon, changing nothing
+        else: with the delayed update the module goes on with the copies it computes with
+        until the next step (a checkpoint saves both, and the run goes on as if unsaved)."""
         for state in {id(s): s for s in self._owners.values()}.values():
             state.settle_steps()
-        if self._delayed or self._written:
-            pending, self._delayed = self._delayed, []
-            written, self._written = self._written, {}
-            for step in pending:
-                step.result()  # an error: the module keeps the copies it has (the master
-                # copies have the update; the next step writes it into the other copies)
-            for state, names in written.values():
-                state.read_from(names)
+        pending, self._delayed = self._delayed, []
+        for step in pending:
+            step.result()
+        records, self._records = self._records, []
+        for record in records:
+            record.result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward replaces the stored gradients (they left the process already)."""
@@ -328,6 +396,170 @@ class _StoreAdam(torch.optim.Optimizer):
                                       "add_param_group after offloading its module")
         return state
 
+    # --- the record: what a restarted trainer finds --------------------------------------
+
+    def resume(self, scheduler: Any = None) -> int:
+        """Go on from the training state stored in the namespace; returns how many steps it
+        has taken (0 in a fresh namespace): the number of the loop's next step.
+
+        The optimizer found its moments, master copies and step counts when it was built; this
+        brings back each group's hyperparameters as the last step left them and `scheduler`'s
+        state (build it as the first run did, then call this), and from now on records the
+        scheduler's state with each of its steps, so the next restart finds it too. Call it
+        before the first step, fresh or restarted (see `infinity.torch.restart`)."""
+        self.wait_for_daemon()  # (no switch of the delayed update's copies: not a step)
+        record = self._taken
+        if record is None and self._stored is not None:
+            raise InvalidRequestError(
+                f"the namespace holds the state of {self._stored.optimizer} over other "
+                f"parameters (or in another order) than this optimizer's; build the model and "
+                f"the optimizer as the run that stored it did, or train in a fresh namespace")
+        if record is not None and record.calls == self._calls:
+            restore_groups(self.param_groups, record.groups)
+            if scheduler is not None:
+                if record.scheduler is None:
+                    raise InvalidRequestError(
+                        "the stored training state holds no scheduler state (the run that "
+                        "stored it passed none to resume()); pass no scheduler, or start afresh")
+                scheduler.load_state_dict(record.scheduler)
+        if scheduler is not None:
+            _record_each_step(scheduler)
+        self._scheduler = scheduler
+        return self._calls
+
+    @property
+    def steps_taken(self) -> int:
+        """The number of `step()` calls of the run, skipped ones included, counted on from the
+        stored state or checkpoint it went on from."""
+        return self._calls
+
+    def _record_home(self) -> OffloadState:
+        """The offload state whose namespace and prefix hold the record: the first
+        parameter's."""
+        return self._owner(self.param_groups[0]["params"][0])
+
+    def _ordered(self) -> list[nn.Parameter]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def _names_digest(self) -> str:
+        if not self._digest:
+            self._digest = names_digest(
+                f"{self._owner(p).config.namespace}/{self._owner(p).entry_of(p).name}"
+                for p in self._ordered())
+        return self._digest
+
+    def _find_record(self) -> None:
+        """Read the record in the store (creating its tensor in a fresh namespace) and take it
+        where it is this optimizer's."""
+        home = self._record_home()
+        client, namespace = home.client, home.config.namespace
+        name = record_name(home.config.prefix)
+        if not client.exists(name, namespace=namespace):
+            client.put(name, torch.zeros(RECORD_BYTES, dtype=torch.uint8), namespace=namespace)
+            return
+        self._stored = read_record(client, namespace=namespace, prefix=home.config.prefix)
+        self._take_record()
+
+    def _take_record(self) -> None:
+        """Take the step counts (and the delayed update's copies) of a stored record of an
+        optimizer of this class over these parameters in this order."""
+        record = self._stored
+        if (record is None or self._taken is not None or record.optimizer != type(self).__name__
+                or record.names != self._names_digest()):
+            return
+        params = self._ordered()
+        for param, step in zip(params, record.steps):
+            if step:
+                self.state[param]["step"] = torch.tensor(float(step))
+        if self._delay_update and record.reading is not None and record.newest is not None:
+            reading: dict[int, tuple[OffloadState, dict[str, str]]] = {}
+            for param, read, newest in zip(params, record.reading, record.newest):
+                state = self._owner(param)
+                entry, copy = state.entry_of(param), self._names(state, param)["copy"]
+                reading.setdefault(id(state), (state, {}))[1][entry.name] = (
+                    copy if read else entry.name)
+                if newest != read:  # the last step wrote the other copy: used from next step
+                    self._written.setdefault(id(state), (state, {}))[1][entry.name] = (
+                        copy if newest else entry.name)
+            for state, names in reading.values():
+                state.read_from(names)
+        self._calls = record.calls
+        self._stored, self._taken = None, record
+
+    def _record(self) -> tuple[str, str, bytes]:
+        """The record of the state as this process has it now: (namespace, name, bytes)."""
+        params = self._ordered()
+        reading = newest = None
+        if self._delay_update:
+            pending = {name: copy for _, names in self._written.values()
+                       for name, copy in names.items()}
+            reading, newest = [], []
+            for param in params:
+                entry = self._owner(param).entry_of(param)
+                reading.append(int(entry.read_name != entry.name))
+                newest.append(int(pending.get(entry.name, entry.read_name) != entry.name))
+        record = OptimizerRecord(
+            type(self).__name__, self._calls, self._names_digest(),
+            [int(self.state[p]["step"].item()) if "step" in self.state.get(p, {}) else 0
+             for p in params],
+            plain_groups(self.param_groups),
+            None if self._scheduler is None else self._scheduler.state_dict(), reading, newest)
+        home = self._record_home()
+        return home.config.namespace, record_name(home.config.prefix), record.encode()
+
+    def _send_record(self, record: tuple[str, str, bytes] | None = None) -> None:
+        """A step of no items that carries the record only (a skipped step, a scheduler's)."""
+        stepper = self._steppers[id(self._record_home().client)]
+        self._records += stepper.send_step([], [], record=record or self._record())
+
+    # --- checkpoints (infinity.torch.checkpoint) ----------------------------------------
+
+    def stored_parameters(self) -> list[StoredParameter]:
+        """What the store holds of each parameter, in the optimizer's order (call
+        `wait_for_daemon` first)."""
+        pending = {name: copy for _, names in self._written.values()
+                   for name, copy in names.items()}
+        stored = []
+        for param in self._ordered():
+            state = self._owner(param)
+            entry = state.entry_of(param)
+            current = pending.get(entry.name, entry.read_name)
+            stored.append(StoredParameter(
+                param, state, entry.name, self._names(state, param), current,
+                entry.read_name if current != entry.read_name else "",
+                int(self.state[param]["step"].item()) if "step" in self.state.get(param, {})
+                else 0))
+        return stored
+
+    def restore_loop(self, steps: list[int], groups: list[dict[str, Any]], calls: int,
+                     pending: list[bool], scheduler: Any = None) -> None:
+        """Take a loaded state as this optimizer's own: each parameter's step count (in the
+        optimizer's order), the groups' hyperparameters, the number of steps taken, which
+        parameters (delayed update) compute with their own stored name until the next step
+        and with the second copy after it, and the scheduler to record; then record it."""
+        self.wait_for_daemon()
+        self._written = {}
+        for param, step, switches in zip(self._ordered(), steps, pending):
+            if step:
+                self.state[param]["step"] = torch.tensor(float(step))
+            else:
+                self.state[param].pop("step", None)
+            state = self._owner(param)
+            entry = state.entry_of(param)
+            state.read_from({entry.name: entry.name})
+            if switches:
+                copy = self._names(state, param)["copy"]
+                self._written.setdefault(id(state), (state, {}))[1][entry.name] = copy
+        restore_groups(self.param_groups, groups)
+        self._calls = calls
+        if scheduler is not None:
+            _record_each_step(scheduler)
+        self._scheduler = scheduler
+        record = self._record()
+        self._stored, self._taken = None, OptimizerRecord.decode(record[2])
+        self._send_record(record)
+        self.wait_for_daemon()
+
     # --- state_dict ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -362,6 +594,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 if value is not None:
                     state.client.put(names[key], value.detach().float().reshape(param.shape),
                                      namespace=state.config.namespace)
+        self._send_record()  # a restart from here finds the loaded step counts
 
 
 class AdamW(_StoreAdam):
@@ -391,6 +624,32 @@ def _require_offloaded(param: Any) -> OffloadState:
             "infinity.torch.offload(model, client, namespace=...) before building the "
             "optimizer (or adding a parameter group), and pass that model's parameters")
     return state
+
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _record_each_step(scheduler: Any) -> None:
+    """Make each `scheduler.step()` send the optimizer's record (the scheduler's new state and
+    the lr it set), so a restart finds the scheduler where the loop left it. The scheduler's
+    class becomes a subclass whose `step` does that after its own: its `state_dict()` (the
+    instance's attributes) stays as it was, which a wrapper stored on the instance would not."""
+    base = type(scheduler)
+    if base in _RECORDING_CLASSES.values():
+        return
+    if base not in _RECORDING_CLASSES:
+        plain_step = base.step
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = plain_step(self, *args, **kwargs)
+            optimizer = getattr(self, "optimizer", None)
+            if isinstance(optimizer, _StoreAdam) and optimizer._scheduler is self:
+                optimizer._send_record()
+            return result
+
+        _RECORDING_CLASSES[base] = type(base.__name__, (base,), {
+            "step": step, "__module__": base.__module__, "__doc__": base.__doc__})
+    scheduler.__class__ = _RECORDING_CLASSES[base]
 
 
 def _let_grad_scalers_see_stored_gradients() -> None:
@@ -426,8 +685,7 @@ def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise InvalidRequestError(f"invalid weight_decay {weight_decay}: it must be >= 0")
 
 
-def _in_forward_order(items: list[tuple[OffloadState, _Param, wire.AdamItem]]
-                      ) -> list[tuple[OffloadState, _Param, wire.AdamItem]]:
+def _in_forward_order(items: list[_Request]) -> list[_Request]:
     """The items sorted by where the last forward of their module first used them (those it
     did not use last, in the optimizer's order)."""
     positions: dict[int, dict[int, int]] = {}
@@ -436,7 +694,7 @@ def _in_forward_order(items: list[tuple[OffloadState, _Param, wire.AdamItem]]
             positions[id(state)] = {id(e): i for i, e in enumerate(state.forward_order)}
     last = len(items) + max((len(p) for p in positions.values()), default=0)
 
-    def position(indexed: tuple[int, tuple[OffloadState, _Param, wire.AdamItem]]) -> int:
+    def position(indexed: tuple[int, _Request]) -> int:
         index, (state, entry, _) = indexed
         return positions[id(state)].get(id(entry), last + index)
 

@@ -25,11 +25,28 @@ the tier full while other items hold it is put back and started again when one o
 and the window shrinks to what fitted. A request's reply goes once every item of it is done: one
 result per item, None or the error it met (a tensor missing, of the wrong dtype or size, leased
 by someone else). The loop thread never computes.
+
+A trainer's step is one or more requests (its sub-groups) under one `step_id` (`wire.AdamStep`):
+the service holds the parts of a step until it has all of them, and only then queues them. So a
+trainer that dies while sending its step (the daemon then drops the parts it got, `client_gone`)
+has none of it applied, and one that dies after sending all of it has all of it applied: the
+items run under the daemon's own leases and do not care whether the session that asked is still
+there. Never a half-applied step. A step's *commit* comes once its items and every earlier
+step's touching one of its namespaces are done: the step's record, when it has one, is written
+then into its stored uint8 tensor (in place, under an exclusive lease), and the reply of its
+last part goes only after that. A step of no items is a barrier: its reply says every step
+received before it in its namespace is applied (a restarted trainer waits for the step its
+predecessor left running before it reads the state).
+
+`daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item wait that long after
+the one before it, so a test can kill a trainer in the middle of the daemon's step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import time
 from concurrent.futures import Future
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,7 +60,7 @@ from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tasks import LoopTaskPool
 from infinity.daemon.tiers import TierManager
-from infinity.errors import InfinityError, InvalidRequestError, TierFullError
+from infinity.errors import InfinityError, InvalidRequestError, ProtocolError, TierFullError
 from infinity.protocol import wire
 
 log = logging.getLogger("infinityd")
@@ -66,6 +83,24 @@ class _Item:
 
 
 @dataclass(eq=False)
+class _Step:
+    """One step of a trainer: its requests (parts), applied all or none, and its record."""
+
+    session: Session
+    step_id: int
+    parts: int
+    jobs: dict[int, "_Job"] = field(default_factory=dict)  # by part
+    record: tuple[str, str, bytes] | None = None  # (namespace, tensor name, bytes)
+    error: InfinityError | None = None  # a part was refused: every item answers it
+    namespaces: frozenset[str] = frozenset()
+    items_left: int = 0
+    committing: bool = False
+
+    def last(self) -> "_Job":
+        return self.jobs[self.parts - 1]
+
+
+@dataclass(eq=False)
 class _Job:
     """One adam_step request: its items and which of them are not started yet."""
 
@@ -73,6 +108,7 @@ class _Job:
     namespace: str
     items: list[_Item]
     deferred: Deferred
+    step: _Step
     next: int = 0
     queued: bool = False  # in the service's queue: it has items to start
     retry: list[_Item] = field(default_factory=list)  # put back: the tier was full of our own
@@ -86,7 +122,7 @@ class OptimizerService:
 
     def __init__(self, loop: EventLoop, catalog: Catalog, tiers: TierManager,
                  counters: DaemonCounters, namespaces: Namespaces, tasks: LoopTaskPool, *,
-                 cpu_tier_bytes: int) -> None:
+                 cpu_tier_bytes: int, item_delay_s: float = 0.0) -> None:
         self.loop = loop
         self.catalog = catalog
         self.tiers = tiers
@@ -99,6 +135,13 @@ class OptimizerService:
         self.running = 0                   # items under way
         self._starting = False             # in _start_more (an item failing at once re-enters)
         self.closing = False
+        # Steps whose parts are not all here yet, by (session id, step id); steps queued whose
+        # commit has not come yet, in the order their last part arrived.
+        self.assembling: dict[tuple[int, int], _Step] = {}
+        self.unsettled: list[_Step] = []
+        self.item_delay_s = item_delay_s  # daemon.debug_step_delay_s
+        self._delay_until = 0.0
+        self.records = 0        # step records written
         self.steps = 0          # items stepped
         self.elements = 0       # parameters stepped
         self.requeued = 0       # items started again after the tier filled up
@@ -113,24 +156,140 @@ class OptimizerService:
         return {"items_stepped": self.steps, "parameters_stepped": self.elements,
                 "items_requeued": self.requeued, "window_bytes": self.window_bytes,
                 "items_running": self.running, "requests_queued": len(self.queue),
+                "steps_assembling": len(self.assembling), "steps_unsettled": len(self.unsettled),
+                "records_written": self.records,
                 "num_threads": self.tasks.pool.num_threads}
 
     # --- a request -----------------------------------------------------------------------
 
     def adam_step(self, session: Session, request_id: int, message: wire.AdamStep) -> Deferred:
-        self.namespaces.require_writable(session, message.namespace)  # a step writes its state
-        results: list[Any] = [None] * len(message.items)
+        key = (session.id, message.step_id)
+        step = self.assembling.get(key) if message.step_id else None
+        if step is None:
+            step = _Step(session, message.step_id, message.parts)
+        elif step.parts != message.parts or message.part in step.jobs:
+            raise ProtocolError(f"adam_step: part {message.part} of {message.parts} of step "
+                                f"{message.step_id} does not fit the parts received; number a "
+                                f"step's parts 0 .. parts - 1, each once")
+        try:
+            self.namespaces.require_writable(session, message.namespace)  # a step writes
+        except InfinityError as exc:
+            step.error = step.error or exc  # the parts already here must be answered too
+        last = message.part == message.parts - 1
+        results: list[Any] = [None] * (len(message.items) + bool(message.record_name))
         self.counters.deferred_replies += 1
-        deferred = Deferred(results, len(message.items) + 1)  # + 1: settled once all started
+        # One piece per item, one settled below once all started, and on the last part one
+        # settled by the step's commit.
+        deferred = Deferred(results, len(message.items) + 1 + last)
         job = _Job(session, message.namespace,
                    [_Item(i, item, message.groups[item.group])
-                    for i, item in enumerate(message.items)], deferred)
-        if job.items:
-            job.queued = True
-            self.queue.append(job)
-            self._start_more()
+                    for i, item in enumerate(message.items)], deferred, step)
+        step.jobs[message.part] = job
+        if message.record_name:
+            step.record = (message.namespace, message.record_name, message.record)
+        if len(step.jobs) < step.parts:
+            self.assembling[key] = step
+        else:
+            self.assembling.pop(key, None)
+            self._begin_step(step)
         deferred.settle()
         return deferred
+
+    def client_gone(self, session: Session) -> str | None:
+        """A trainer gone before sending all of a step: none of that step is applied."""
+        dropped = [key for key in self.assembling if key[0] == session.id]
+        for key in dropped:
+            del self.assembling[key]
+        return f"{len(dropped)} optimizer step(s) not all sent, dropped" if dropped else None
+
+    def _begin_step(self, step: _Step) -> None:
+        """Every part is here: queue the step's items in the order of its parts."""
+        if step.error is not None:
+            self._refuse(step, step.error)
+            return
+        step.namespaces = frozenset(job.namespace for job in step.jobs.values())
+        step.items_left = sum(len(job.items) for job in step.jobs.values())
+        self.unsettled.append(step)
+        for part in range(step.parts):
+            job = step.jobs[part]
+            if job.items:
+                job.queued = True
+                self.queue.append(job)
+        self._start_more()
+        self._commit_ready()
+
+    def _refuse(self, step: _Step, error: InfinityError) -> None:
+        """Answer every item of a step (and its record) with the error one part met."""
+        for job in step.jobs.values():
+            results = job.deferred.results
+            for index in range(len(results)):
+                results[index] = self.counters.item_error(job.session, error)
+            for _ in range(len(job.items) + (job is step.last())):
+                job.deferred.settle()
+
+    # --- a step's commit -----------------------------------------------------------------
+
+    def _commit_ready(self) -> None:
+        """Commit each step whose items are done and that no earlier step sharing one of its
+        namespaces is still ahead of."""
+        blocked: set[str] = set()
+        for step in list(self.unsettled):
+            ready = not step.items_left and not step.committing and not step.namespaces & blocked
+            blocked |= step.namespaces
+            if ready:
+                step.committing = True
+                self._commit(step)
+
+    def _commit(self, step: _Step) -> None:
+        if step.record is None:
+            self._committed(step, None)
+            return
+
+        def written(outcome: Future[None]) -> None:
+            self._committed(step, outcome.exception())
+
+        start_job(self.loop, self._write_record(*step.record),
+                  name=f"record of step {step.step_id}").add_done_callback(written)
+
+    def _write_record(self, namespace: str, name: str, data: bytes) -> Job[None]:
+        """Write `data` at the start of the stored uint8 tensor `name`, in place."""
+        lease_id = self.catalog.internal_lease_id()
+        _, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, lease_id, [(namespace, name, True)])
+        version = outcomes[0]
+        if isinstance(version, InfinityError):
+            raise version  # nothing was leased
+        try:
+            if version.dtype != "uint8" or version.nbytes < len(data):
+                raise InvalidRequestError(
+                    f"the step's record {name!r} is {version.dtype} of {version.nbytes} bytes; "
+                    f"it must be a uint8 tensor of at least {len(data)} bytes")
+            if version.cpu is None:
+                yield self._resident(version)
+            self.catalog.handed_out(DAEMON_CLIENT_ID, version)  # written in place
+            ctypes.memmove(self.tiers.address_of(version.cpu), data, len(data))  # type: ignore[arg-type]
+            self.records += 1
+        finally:
+            self.catalog.release(DAEMON_CLIENT_ID, lease_id)
+
+    def _committed(self, step: _Step, error: BaseException | None) -> None:
+        self.unsettled.remove(step)
+        job = step.last()
+        if error is not None:
+            if not isinstance(error, InfinityError):
+                log.exception("writing the record of a step failed", exc_info=error)
+                error = InfinityError(f"infinityd failed to write the step's record "
+                                      f"({type(error).__name__}: {error}); see its log")
+            job.deferred.results[len(job.items)] = self.counters.item_error(job.session, error)
+        job.deferred.settle()
+        self._commit_ready()
+
+    def _debug_delay(self) -> Future[None]:
+        """Done `item_delay_s` after the previous item's delay ended (items wait in turn)."""
+        now = time.monotonic()
+        self._delay_until = max(now, self._delay_until) + self.item_delay_s
+        future: Future[None] = Future()
+        self.loop.call_later(self._delay_until - now, lambda: future.set_result(None))
+        return future
 
     def _start_more(self) -> None:
         """Start items, the oldest request's first and each request's in order, while the
@@ -201,6 +360,8 @@ class OptimizerService:
                 if self.running > 1:
                     return "put back"  # other items of steps hold the tier: after them
                 raise
+        if self.item_delay_s:
+            yield self._debug_delay()
         if self.closing:
             raise InvalidRequestError("infinityd is stopping; the step was not applied to this "
                                       "parameter")
@@ -307,6 +468,9 @@ class OptimizerService:
         self.in_flight_bytes -= item.nbytes
         self.running -= 1
         job.deferred.settle()
+        job.step.items_left -= 1
+        if not job.step.items_left:
+            self._commit_ready()
         self._start_more()
 
 

@@ -1,5 +1,10 @@
 """The `adam_step` request's schema: the optimizer step the daemon runs next to the data, its
 parameter groups' hyperparameters and its items (the names of one parameter's tensors).
+
+A trainer's step is one or more requests (`parts`, sub-groups of its parameters) sharing a
+`step_id`: the daemon applies all of them or none (see `AdamStep`). The last part may carry a
+`record`: bytes the daemon writes at the start of a stored uint8 tensor once every item of the
+step is applied (the optimizer's step counts and hyperparameters, `infinity.torch.record`).
 """
 
 from __future__ import annotations
@@ -9,7 +14,8 @@ from typing import Any, ClassVar, Sequence
 
 from infinity.errors import ProtocolError
 
-from .codec import MAX_ITEMS, MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, _bool, _float, _int, _list, _str
+from .codec import (MAX_BIN_BYTES, MAX_ITEMS, MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, _bool, _bytes,
+                    _float, _int, _list, _str)
 
 @dataclass(frozen=True, slots=True)
 class AdamGroup:
@@ -75,20 +81,35 @@ class AdamStep:
     """One optimizer step of Adam / AdamW, run by the daemon next to the data: for each item,
     the parameter (and its master copy) and both moments are updated in place from the gradient,
     under the daemon's own exclusive leases; answered once every item is done, one result per
-    item (None, or the error that item met). Items of one request share `namespace`."""
+    item (None, or the error that item met), and one more for the record when it has one. Items
+    of one request share `namespace`.
+
+    A step sent as several requests numbers them `part` 0 .. `parts` - 1 under one `step_id`
+    (unique within the session; 0: a step of one request). The daemon starts none of them before
+    it has all: a session that ends first (the trainer died) has none applied; once it has all
+    it applies every one, whether or not the trainer is still there. `record` (at most
+    MAX_BIN_BYTES, on the last part only) is written at the start of the uint8 tensor
+    `record_name` in `namespace` after every item of the step and of the steps received before
+    it that touch its namespaces is done, and before the last part's reply."""
 
     OP: ClassVar[str] = "adam_step"
     namespace: str
     groups: tuple[AdamGroup, ...]
     items: tuple[AdamItem, ...]
+    step_id: int = 0
+    part: int = 0
+    parts: int = 1
+    record_name: str = ""
+    record: bytes = b""
 
     def body(self) -> list[Any]:
         return [self.namespace, [g.to_wire() for g in self.groups],
-                [i.to_wire() for i in self.items]]
+                [i.to_wire() for i in self.items],
+                [self.step_id, self.part, self.parts, self.record_name, self.record]]
 
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> AdamStep:
-        namespace, groups, items = _list(body, "adam_step", 3)
+        namespace, groups, items, step = _list(body, "adam_step", 4)
         namespace = _str(namespace, "namespace")
         if not namespace or len(namespace) > MAX_NAMESPACE_CHARS:
             raise ProtocolError(f"malformed adam_step: the namespace must have 1 to "
@@ -102,4 +123,17 @@ class AdamStep:
                 raise ProtocolError(f"malformed adam_step: item {item.param!r} names group "
                                     f"{item.group} of {len(decoded_groups)}; send every group "
                                     f"the items name, in the order they index them")
-        return cls(namespace, decoded_groups, decoded_items)
+        step_id, part, parts, record_name, record = _list(step, "adam_step's step", 5)
+        step_id = _int(step_id, "step_id")
+        parts = _int(parts, "parts", minimum=1, maximum=MAX_ITEMS)
+        part = _int(part, "part", maximum=parts - 1)
+        if parts > 1 and not step_id:
+            raise ProtocolError("malformed adam_step: a step of several parts needs a step_id")
+        record_name, record = _str(record_name, "record_name"), _bytes(record, "record")
+        if record_name or record:
+            _name(record_name, "record_name")
+            if part != parts - 1 or len(record) > MAX_BIN_BYTES:
+                raise ProtocolError(f"malformed adam_step: a record (at most {MAX_BIN_BYTES} "
+                                    f"bytes) rides on the last part of a step")
+        return cls(namespace, decoded_groups, decoded_items, step_id, part, parts, record_name,
+                   record)
