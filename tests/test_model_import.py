@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import tiny_models
 from conftest import PREFETCH_SETTINGS, RunningDaemon
@@ -157,6 +157,21 @@ def test_weights_of_other_formats_hidden_files_and_folders_are_left_out(
     files = model_files(store, "m")
     assert files["added_tokens.json"] == b""  # an empty file is kept, as an empty tensor
     assert ".gitattributes" not in files and "pytorch_model.bin" not in files
+
+
+def test_a_training_checkpoint_imports_its_model_weights_only(
+        store: Any, model_dir: Callable[[str], str]) -> None:
+    # save_checkpoint's folder: model.safetensors beside the optimizer's own safetensors file.
+    folder = save_model(tiny_models.gpt2(), model_dir("checkpoint"))
+    save_file({"transformer.wte.weight.exp_avg": torch.zeros(3, 5)},
+              os.path.join(folder, "optimizer.safetensors"))
+    model_weights = load_file(os.path.join(folder, "model.safetensors"))
+    report = import_model(store, folder, namespace="m", progress=False)
+    assert report.tensors == len(model_weights)
+    assert {t.name for t in store.list(namespace="m")} >= set(model_weights)
+    assert not store.exists("transformer.wte.weight.exp_avg", namespace="m")
+    assert report.left_out == ("optimizer.safetensors (not the model's weights: "
+                               "model.safetensors is)",)
 
 
 def test_a_namespace_without_a_manifest_holds_no_model(store: Any) -> None:

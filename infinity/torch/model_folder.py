@@ -39,6 +39,7 @@ from infinity.protocol import dtypes
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_SUFFIX = ".safetensors"
+MODEL_WEIGHTS_FILE = "model.safetensors"
 # Weights in other formats: never stored as small files (an import takes safetensors only).
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf",
                          ".pkl", ".npz", ".npy", ".ot", ".tflite", ".index.json")
@@ -147,6 +148,10 @@ def scan_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
         index = _source_file(folder, INDEX_FILE, "index")
         weight_map = _read_weight_map(index)
         weight_names = sorted(set(weight_map.values()))
+    elif MODEL_WEIGHTS_FILE in names:
+        # transformers' own name: other safetensors beside it are not the model's weights (a
+        # training checkpoint's optimizer.safetensors, an adapter's).
+        weight_names = [MODEL_WEIGHTS_FILE]
     else:
         weight_names = [n for n in names if n.endswith(WEIGHTS_SUFFIX)]
     if not weight_names:
@@ -180,8 +185,9 @@ def scan_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
         full = os.path.join(folder, name)
         if not os.path.isfile(full):
             continue  # sub-folders (checkpoints, caches) are not part of the model
-        if name.endswith(WEIGHTS_SUFFIX):  # only where an index names the others
-            left_out.append(f"{name} (weights not named by {INDEX_FILE})")
+        if name.endswith(WEIGHTS_SUFFIX):  # only where an index or model.safetensors is
+            named_by = INDEX_FILE if index is not None else MODEL_WEIGHTS_FILE
+            left_out.append(f"{name} (not the model's weights: {named_by} is)")
             continue
         if name.endswith(OTHER_WEIGHT_SUFFIXES):
             left_out.append(f"{name} (weights of another format)")
