@@ -330,6 +330,9 @@ def shared_copy(args: argparse.Namespace, *, model_dir: Path, work: Path,
         for count in (1, args.share_processes):
             label = f"{kind}_x{count}"
             log(f"shared copy: {label}")
+            # Uncached, so the pages a load maps are charged to this group (page cache is
+            # charged to the group that first reads it).
+            drop_page_cache(model_dir)
             with cgroup(f"share-{label}", None) as group:
                 daemon = None
                 workers: list[Worker] = []
