@@ -21,12 +21,11 @@ class _TimedStreamer:
     """transformers' streamer protocol (`put`, `end`): prints text as it decodes, and notes
     when each token arrived."""
 
-    def __init__(self, tokenizer: Any, *, prompt_tokens: int) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         from transformers import TextStreamer
 
         self._text = TextStreamer(tokenizer, skip_prompt=True)
         self._prompt_seen = False
-        self.prompt_tokens = prompt_tokens
         self.arrivals: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(client, namespace=args.namespace)
         model = load_causal_lm(client, namespace=args.namespace)
         inputs = tokenizer(args.prompt, return_tensors="pt")
-        streamer = _TimedStreamer(tokenizer, prompt_tokens=int(inputs["input_ids"].shape[1]))
+        streamer = _TimedStreamer(tokenizer)
         options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, streamer=streamer)
         if args.temperature > 0:
             torch.manual_seed(args.seed)
