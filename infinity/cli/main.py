@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable, Sequence
 
@@ -28,6 +29,11 @@ def _bytes_at_least(minimum: int, why: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value} is less than {minimum} ({why})")
         return value
     return parse
+
+
+# Subcommand -> the module of infinity.cli whose `run(args)` carries it out.
+COMMAND_MODULES = {"doctor": "doctor", "tune": "tune", "demo": "demo", "verify": "verify",
+                   "import": "model_import", "models": "models", "generate": "generate"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,33 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "doctor":
-            from infinity.cli import doctor
-            return doctor.run(args)
-        if args.command == "tune":
-            from infinity.cli import tune
-            return tune.run(args)
-        if args.command == "demo":
-            from infinity.cli import demo
-            return demo.run(args)
-        if args.command == "verify":
-            from infinity.cli import verify
-            return verify.run(args)
-        if args.command == "import":
-            from infinity.cli import model_import
-            return model_import.run(args)
-        if args.command == "models":
-            from infinity.cli import models
-            return models.run(args)
-        if args.command == "generate":
-            from infinity.cli import generate
-            return generate.run(args)
+        # Each subcommand's module is imported only when it runs: `infinity doctor` must not
+        # pay for torch and transformers.
+        module = importlib.import_module(f"infinity.cli.{COMMAND_MODULES[args.command]}")
+        return int(module.run(args))
     except InfinityError as exc:
         print(f"infinity {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 1
 
 
 if __name__ == "__main__":
