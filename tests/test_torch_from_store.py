@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from infinity.client.device import CpuCopier
 from infinity.errors import InvalidRequestError
-from infinity.torch import empty_parameters, offload
+from infinity.torch import empty_parameters, offload, offload_state
 from tiny_models import gpt2, llama
 
 
@@ -80,6 +81,33 @@ def test_an_inference_module_makes_each_forward_a_step_of_the_trace(client: Any)
     model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
                    do_sample=False, min_new_tokens=6)
     assert client.steps_begun - before == 6  # the prompt's forward and one per later token
+
+
+def test_a_device_budget_counts_the_stored_dtype_not_the_models(client: Any) -> None:
+    # Built in fp32 over bf16 weights: a budget of exactly the largest unit's bf16 bytes must
+    # do (counted in the model's fp32 it would be refused as too small).
+    reference = gpt2().eval()
+    store_values(reference, client, "budget", torch.bfloat16)
+    largest_unit_bytes = 2 * max(sum(p.numel() for p in module.parameters(recurse=False))
+                                 for module in reference.modules())
+    with empty_parameters():
+        model = gpt2().eval()
+    offload(model, client, namespace="budget", from_store=True, inference=True,
+            copier=CpuCopier(), device_budget_bytes=largest_unit_bytes)
+    tokens = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits,
+                           reference.to(torch.bfloat16)(tokens).logits)
+
+
+def test_without_a_budget_a_device_holds_every_stored_byte(client: Any) -> None:
+    reference = gpt2()
+    store_values(reference, client, "whole", torch.bfloat16)
+    with empty_parameters():
+        model = gpt2()
+    offload(model, client, namespace="whole", from_store=True, inference=True, copier=CpuCopier())
+    stored = sum(param.numel() * 2 for param in reference.parameters())
+    assert offload_state(model).device_params.cache.budget_bytes == stored  # type: ignore[union-attr]
 
 
 def test_an_inference_module_is_frozen(client: Any) -> None:

@@ -24,7 +24,7 @@ memory of the process's own, so this path runs and is tested on machines without
 
 from __future__ import annotations
 
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import torch
 from torch import nn
@@ -76,12 +76,13 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def device_budget(model: nn.Module, param_dtype: torch.dtype | None, device: torch.device,
-                  budget_bytes: int | None) -> int:
+def device_budget(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.dtype],
+                  device: torch.device, budget_bytes: int | None) -> int:
     """The device cache's budget: as given, else every parameter's bytes, at most half the
-    device's free memory; never less than the largest unit (it must be present whole)."""
+    device's free memory; never less than the largest unit (it must be present whole).
+    `dtype_of` gives the dtype each parameter computes in (the stored one, not the model's)."""
     def nbytes(param: nn.Parameter) -> int:
-        return param.numel() * (param_dtype or param.dtype).itemsize
+        return param.numel() * dtype_of(param).itemsize
 
     largest = max((sum(nbytes(p) for p in module.parameters(recurse=False))
                    for module in model.modules()), default=0)

@@ -586,7 +586,13 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         raise InvalidRequestError(
             "device_budget_bytes bounds device memory, and this module computes on the CPU's "
             "shared memory; leave it out, or offload to a CUDA device")
-    budget_bytes = (device_budget(model, param_dtype, computes_on, device_budget_bytes)
+    stored_dtype = {id(param): stored_dtypes[name] for name, param in model.named_parameters()
+                    if name in stored_dtypes}
+
+    def dtype_of(param: nn.Parameter) -> torch.dtype:  # what it computes in, as entries below
+        return stored_dtype.get(id(param)) or param_dtype or param.dtype
+
+    budget_bytes = (device_budget(model, dtype_of, computes_on, device_budget_bytes)
                     if copier is not None else 0)
     state = OffloadState(model, client, config)
     # Uploaded in batches of at most an eighth of the daemon's CPU tier (a batch's reservations
@@ -597,7 +603,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     upload: dict[str, torch.Tensor] = {}
     upload_bytes = 0
     for name, param in model.named_parameters():  # tied parameters come once, first name
-        dtype = stored_dtypes.get(name) or param_dtype or param.dtype
+        dtype = dtype_of(param)
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
                        placeholder=_placeholder(param.shape, dtype, computes_on))
         state.params.append(entry)
