@@ -47,6 +47,7 @@ exclusively).
 from __future__ import annotations
 
 import bisect
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -55,9 +56,10 @@ import torch
 from torch import nn
 
 from infinity.client.device import DeviceCopier
-from infinity.errors import InvalidRequestError
+from infinity.errors import InvalidRequestError, LeaseError
 from infinity.io.native import native
 from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
+from infinity.torch.distributed import NodeRanks, node_ranks
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
@@ -202,6 +204,8 @@ class OffloadState:
         # Set by `offload` when the module computes on a device other than the CPU's views.
         self.device_params: DeviceParams | None = None
         self.device_type = "cpu"  # where parameters present are, for the saved-tensor hook
+        # Set by `offload` for a rank of a torch.distributed job (see `offload`'s process_group).
+        self.ranks: NodeRanks | None = None
 
     # --- presence -------------------------------------------------------------------------
 
@@ -347,7 +351,10 @@ class OffloadState:
         namespace = self.config.namespace
         grad = self._gradient_for_store(grad)
         self.settle_steps((entry,))  # a step still reading the stored gradient
-        if entry.grad_name in self._fresh_grads:
+        if self.ranks is not None:
+            self._add_to_node_gradient(entry, grad)
+            self._fresh_grads.discard(entry.grad_name)
+        elif entry.grad_name in self._fresh_grads:
             self.client.put(entry.grad_name, grad, namespace=namespace)
             self._fresh_grads.discard(entry.grad_name)
             self._record_grad_stats(entry, grad)
@@ -361,6 +368,51 @@ class OffloadState:
                 unit.grads_left -= 1
                 if unit.grads_left <= 0 and unit.depth == 0:
                     unit.release()
+
+    def _add_to_node_gradient(self, entry: _Param, grad: torch.Tensor) -> None:
+        """Add a gradient into the node's sum in shared memory (the node's other ranks add
+        theirs into the same tensor, which the leader cleared at `zero_grad`). The exclusive
+        lease makes the additions take turns; one refused because another rank holds the lease
+        is asked again until the request timeout."""
+        deadline = time.monotonic() + self.client.config.daemon.request_timeout_s
+        pause_s = 0.0002
+        while True:
+            try:
+                lease = self.client.get(entry.grad_name, namespace=self.config.namespace,
+                                        exclusive=True)
+            except LeaseError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(pause_s)  # the other rank's addition takes about as long as ours
+                pause_s = min(pause_s * 2, 0.01)
+                continue
+            with lease as stored:
+                stored.add_(grad)
+            return
+
+    def _write_zero_gradients(self) -> None:
+        """Put zeros as every trainable parameter's stored gradient (the node's leader, at
+        `zero_grad`: the node's ranks add into them), in batches of at most an eighth of the
+        CPU tier."""
+        batch_limit = max(1, int(self.client.stats()["tiers"]["cpu"]["budget_bytes"]) // 8)
+        dtype = self.config.grad_dtype
+        batch: dict[str, torch.Tensor] = {}
+        batch_bytes = 0
+        for entry in self.params:
+            if not entry.param.requires_grad:
+                continue
+            zeros = torch.zeros(entry.placeholder.shape, dtype=dtype)
+            nbytes = zeros.numel() * zeros.element_size()
+            if nbytes > batch_limit:
+                self.client.write_from(entry.grad_name, zeros, namespace=self.config.namespace)
+                continue
+            if batch and (batch_bytes + nbytes > batch_limit or len(batch) >= 64):
+                self.client.put_many(batch, namespace=self.config.namespace)
+                batch, batch_bytes = {}, 0
+            batch[entry.grad_name] = zeros
+            batch_bytes += nbytes
+        if batch:
+            self.client.put_many(batch, namespace=self.config.namespace)
 
     # --- steps running in the daemon ------------------------------------------------------
 
@@ -409,11 +461,20 @@ class OffloadState:
     # --- what the optimizer and the user call ------------------------------------------------
 
     def zero_grad(self) -> None:
-        """The next gradients replace the stored ones instead of adding to them."""
+        """The next gradients replace the stored ones instead of adding to them. For a rank of
+        a job (`offload`'s process_group) a collective of the node's ranks: its leader clears
+        the node's stored gradients once all of them got here, and they go on once it has."""
         if self.device_params is not None:
-            # Called between a step and the next forward: what had gradients was stepped.
+            # Called between a step and the next forward: what had gradients was stepped (on
+            # a node, any of them may have been: another rank's gradient counts too).
             self.device_params.stepped([entry.name for entry in self.params
-                                        if entry.grad_name not in self._fresh_grads])
+                                        if entry.grad_name not in self._fresh_grads
+                                        or self.ranks is not None])
+        if self.ranks is not None and not self.config.inference:
+            self.ranks.node_barrier()  # every rank of the node is done with the gradients
+            if self.ranks.is_leader:
+                self._write_zero_gradients()
+            self.ranks.node_barrier()
         self._fresh_grads = {entry.grad_name for entry in self.params}
         self._grad_stats.clear()
 
@@ -545,7 +606,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             prefix: str = "", mark_steps: bool = True, device: torch.device | str | None = None,
             device_budget_bytes: int | None = None,
             copier: DeviceCopier | None = None, from_store: bool = False,
-            inference: bool = False) -> nn.Module:
+            inference: bool = False, process_group: Any = None) -> nn.Module:
     """Move `model`'s parameters into the store under `namespace` and hook it (in place).
 
     Returns the same module. Parameters are stored as `param_dtype` (default: their own) and
@@ -568,13 +629,25 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     `device_budget_bytes` of device memory (default: all of them, at most half the device's
     free memory) as they are needed. `copier` chooses how copies are made (a
     `infinity.client.device.CpuCopier` makes the CPU such a copying device).
+
+    `process_group` (`torch.distributed.group.WORLD`, under torchrun) makes this process one
+    rank of a job whose ranks on a node share its daemon's one copy of the state
+    (`infinity.torch.distributed`): every rank calls `offload` (a collective), the node's
+    lowest rank uploads the values (global rank 0's, on every node) and the others attach to
+    them (their model may be built with `empty_parameters()`). Gradients are summed in the
+    node's shared memory, `zero_grad()` is a collective of the node's ranks, and the
+    optimizer (`infinity.torch.AdamW`) sums them across nodes and steps each node's part.
     """
     config = OffloadConfig(namespace=namespace, param_dtype=param_dtype, grad_dtype=grad_dtype,
                            prefix=prefix, mark_steps=mark_steps, inference=inference)
     if model in _STATES:
         raise InvalidRequestError("this module is offloaded already; offload it once")
-    stored_dtypes = _stored_dtypes(model, client, config) if from_store else {}
-    if not from_store and any(param.is_meta for param in model.parameters()):
+    ranks = node_ranks(client, process_group) if process_group is not None else None
+    uploads = not from_store and (ranks is None or ranks.is_leader)
+    if ranks is not None and not ranks.is_leader:
+        ranks.node_barrier()  # the node's leader has uploaded the values (or found them)
+    stored_dtypes = _stored_dtypes(model, client, config) if not uploads else {}
+    if uploads and any(param.is_meta for param in model.parameters()):
         raise InvalidRequestError(
             "the module's parameters are on the meta device (no values) and from_store is not "
             "set; pass from_store=True to take their values from the store, or build the model "
@@ -595,6 +668,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     budget_bytes = (device_budget(model, dtype_of, computes_on, device_budget_bytes)
                     if copier is not None else 0)
     state = OffloadState(model, client, config)
+    state.ranks = ranks
     # Uploaded in batches of at most an eighth of the daemon's CPU tier (a batch's reservations
     # are held together, so one larger than the tier could never be placed); a parameter too
     # large for that goes alone, streamed through the tier in pieces.
@@ -608,9 +682,11 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
                        placeholder=_placeholder(param.shape, dtype, computes_on))
         state.params.append(entry)
         state._by_param[id(param)] = entry
-        if from_store:
+        if not uploads:
             continue
         value = param.detach().to(device="cpu", dtype=dtype).contiguous()
+        if ranks is not None and ranks.num_nodes > 1:
+            ranks.send_from_owner(value, 0)  # every node starts from global rank 0's values
         nbytes = value.numel() * value.element_size()
         if nbytes > batch_limit:
             client.write_from(entry.name, value, namespace=namespace)
@@ -623,12 +699,14 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         upload_bytes += nbytes
     if upload:
         client.put_many(upload, namespace=namespace)
+    if ranks is not None and ranks.is_leader:
+        ranks.node_barrier()  # the values are in: the node's other ranks may attach
     if copier is not None:
         state.device_params = DeviceParams(client, namespace=namespace, copier=copier,
                                            budget_bytes=budget_bytes,
                                            names=[entry.name for entry in state.params])
         state.device_type = computes_on.type
-    if from_store:
+    if not uploads:
         _give_values_to_meta_parameters(model, state)
     for entry in state.params:
         if inference:

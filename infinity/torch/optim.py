@@ -73,6 +73,7 @@ from torch import nn
 
 from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
+from infinity.torch.distributed import NodeRanks
 from infinity.torch.offload import (GradStats, OffloadState, _Param, measure_gradient,
                                     state_of_parameter)
 from infinity.torch.restart import (RECORD_BYTES, OptimizerRecord, names_digest, plain_groups,
@@ -147,10 +148,18 @@ class _StoreAdam(torch.optim.Optimizer):
         self._digest = ""          # of the parameters' stored names, in order ("" to compute)
         self._stored: OptimizerRecord | None = None  # a record found in the store, until taken
         self._taken: OptimizerRecord | None = None   # the record this optimizer went on from
+        # A rank of a multi-rank job (offload's process_group): the node's leader keeps the
+        # state of the parameters its node owns; see `_step_across_ranks`.
+        self._ranks: NodeRanks | None = None
+        self._owning_node: list[int] = []  # per parameter in the optimizer's order
+        self._summed: list[bool] | None = None  # this step's gradients are summed: stepped ones
         for group in self.param_groups:
             for param in group["params"]:
                 self._adopt(param)
-        self._find_record()
+        if self._ranks is not None:
+            self._adopt_across_ranks()
+        else:
+            self._find_record()
         _let_grad_scalers_see_stored_gradients()
 
     # --- the parameters' state in the store -----------------------------------------------
@@ -160,6 +169,37 @@ class _StoreAdam(torch.optim.Optimizer):
         self._owners[id(param)] = state
         if id(state.client) not in self._steppers:  # its socket is attached now, not mid-step
             self._steppers[id(state.client)] = state.client.adam_stepper()
+        if state.ranks is not None or self._ranks is not None:
+            if self._ranks is None and len(self._owners) == 1:
+                self._ranks = state.ranks
+            if state.ranks is not self._ranks:
+                raise InvalidRequestError(
+                    "the optimizer's parameters come from modules offloaded with different "
+                    "process groups (or some with none); offload them all with the same "
+                    "process_group")
+            if self._delay_update:
+                raise InvalidRequestError(
+                    f"{type(self).__name__}(delay_update=True) is not supported for a "
+                    f"multi-rank job yet; leave delay_update off")
+            return  # its state is created by `_adopt_across_ranks`, on its node only
+        self._create_state(state, param)
+
+    def _adopt_across_ranks(self) -> None:
+        """Partition the parameters between the nodes and create, on each node's leader, the
+        state of its part; every rank waits until all nodes have."""
+        assert self._ranks is not None
+        ranks = self._ranks
+        params = self._ordered()
+        self._owning_node = ranks.owner_of([param.numel() for param in params])
+        if ranks.is_leader:
+            for param, node in zip(params, self._owning_node):
+                if node == ranks.node:
+                    self._create_state(self._owner(param), param)
+        ranks.world_barrier()
+
+    def _create_state(self, state: OffloadState, param: nn.Parameter) -> None:
+        """Create the parameter's moments (and master copies) in the store, keeping any
+        already there."""
         entry = state.entry_of(param)
         names = self._names(state, param)
         client, namespace = state.client, state.config.namespace
@@ -197,6 +237,11 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         adding_later = hasattr(self, "_owners")  # not from torch's __init__
+        if adding_later and self._ranks is not None:
+            raise InvalidRequestError(
+                "add_param_group after construction is not supported for a multi-rank job (the "
+                "parameters' partition between nodes is fixed then); pass every group to the "
+                "constructor")
         if adding_later:
             # Checked before torch keeps the group: a refused group leaves the optimizer as it
             # was, so the next step still works.
@@ -226,24 +271,18 @@ class _StoreAdam(torch.optim.Optimizer):
         self.synchronize()
         self._calls += 1
         grad_scale = self._take_grad_scale()
+        if self._ranks is not None:
+            assert grad_scale is not None  # no loss scaler: refused for a job's ranks
+            self._step_across_ranks(self._ranks, grad_scale)
+            return
         if grad_scale is None:
             # A loss scaler found an overflow: torch skips the step, so do we (it still counts
             # as a step of the loop, so the record learns of it).
             self._send_record()
             return
         requests: dict[tuple[int, str], list[_Request]] = {}
-        groups: list[wire.AdamGroup] = []
+        groups = self._adam_groups(grad_scale)
         for index, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            for option in ("amsgrad", "maximize", "capturable", "differentiable"):
-                if group.get(option):
-                    raise InvalidRequestError(
-                        f"parameter group {index} has {option}=True (from a loaded state_dict?); "
-                        f"{type(self).__name__} does not support it")
-            _check_hyper(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
-            groups.append(wire.AdamGroup(float(group["lr"]), float(beta1), float(beta2),
-                                         float(group["eps"]), float(group["weight_decay"]),
-                                         self.decoupled, grad_scale))
             for param in group["params"]:
                 state = self._owner(param)
                 if not state.has_gradient(param):
@@ -272,6 +311,106 @@ class _StoreAdam(torch.optim.Optimizer):
             self._send_record(record)
         if not self._overlap:
             self.synchronize()
+
+    def _adam_groups(self, grad_scale: float) -> list[wire.AdamGroup]:
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(option):
+                    raise InvalidRequestError(
+                        f"parameter group {index} has {option}=True (from a loaded state_dict?); "
+                        f"{type(self).__name__} does not support it")
+            _check_hyper(group["lr"], (beta1, beta2), group["eps"], group["weight_decay"])
+            groups.append(wire.AdamGroup(float(group["lr"]), float(beta1), float(beta2),
+                                         float(group["eps"]), float(group["weight_decay"]),
+                                         self.decoupled, grad_scale))
+        return groups
+
+    def _sum_across_ranks(self, ranks: NodeRanks) -> list[bool]:
+        """Which parameters the coming step updates (those with a gradient on any rank), once
+        every rank's gradients are in its node's store and each parameter's gradients are summed
+        in its owner node's store (every rank calls it; done once per step: clipping does it
+        before the step)."""
+        if self._summed is not None:
+            return self._summed
+        params = self._ordered()
+        for state in {id(s.client): s for s in self._owners.values()}.values():
+            # This rank's released leases reach the daemon now, not with its next request:
+            # the step leases the parameters exclusively.
+            state.client.flush()
+        # Every rank's flags, or'ed: a collective, so past it every backward is done.
+        stepped = ranks.any_rank([self._owner(p).has_gradient(p) for p in params])
+        if ranks.is_leader and ranks.num_nodes > 1:
+            for param, node, has in zip(params, self._owning_node, stepped):
+                if has:
+                    state = self._owner(param)
+                    with state.client.get(state.entry_of(param).grad_name, exclusive=True,
+                                          namespace=state.config.namespace) as grad:
+                        ranks.sum_to_owner(grad, node)
+        self._summed = stepped
+        return stepped
+
+    def _step_across_ranks(self, ranks: NodeRanks, grad_scale: float) -> None:
+        """The step of a multi-rank job (every rank calls it). Once each parameter's gradients
+        are summed in its owner node's store (`_sum_across_ranks`), each owner steps its part in
+        its daemon with the gradients averaged over the ranks (as DistributedDataParallel
+        averages them) and sends the new values to the other nodes; the other ranks wait."""
+        params = self._ordered()
+        stepped = self._sum_across_ranks(ranks)
+        self._summed = None
+        for param, has in zip(params, stepped):
+            if has:
+                param_state = self.state[param]
+                param_state["step"] = torch.tensor(
+                    float(param_state.get("step", torch.tensor(0.0)).item()) + 1)
+        if ranks.is_leader:
+            groups = self._adam_groups(grad_scale / ranks.world_size)
+            index_of = {id(p): i for i, group in enumerate(self.param_groups)
+                        for p in group["params"]}
+            requests: dict[int, list[_Request]] = {}
+            for param, node, has in zip(params, self._owning_node, stepped):
+                if has and node == ranks.node:
+                    state = self._owner(param)
+                    entry, names = state.entry_of(param), self._names(state, param)
+                    requests.setdefault(id(state.client), []).append((state, entry, wire.AdamItem(
+                        entry.name, entry.grad_name, names["master"], names["exp_avg"],
+                        names["exp_avg_sq"], index_of[id(param)],
+                        int(self.state[param]["step"].item()))))
+            for items in requests.values():
+                self._send(groups, [(items[0][0].config.namespace, _in_forward_order(items))],
+                           None)
+            self.wait_for_daemon()
+            if ranks.num_nodes > 1:
+                for param, node, has in zip(params, self._owning_node, stepped):
+                    if has:
+                        state = self._owner(param)
+                        with state.client.get(state.entry_of(param).name,
+                                              namespace=state.config.namespace,
+                                              exclusive=node != ranks.node) as value:
+                            ranks.send_from_owner(value, node)
+        ranks.world_barrier()  # the node's parameters hold the step's values now
+
+    def _norm_across_ranks(self, ranks: NodeRanks) -> float:
+        """The 2-norm of the job's averaged gradient (every rank calls it): each node's leader
+        measures the summed gradients of the parameters its node owns, the sums of squares are
+        added over the nodes, and the average over the ranks divides the norm."""
+        stepped = self._sum_across_ranks(ranks)
+        total = 0.0
+        if ranks.is_leader:
+            for param, node, has in zip(self._ordered(), self._owning_node, stepped):
+                if has and node == ranks.node:
+                    state = self._owner(param)
+                    with state.client.get(state.entry_of(param).grad_name,
+                                          namespace=state.config.namespace) as grad:
+                        total += measure_gradient(grad).sum_of_squares
+        return math.sqrt(ranks.sum_over_ranks(total)) / ranks.world_size
+
+    def _refuse_across_ranks(self, what: str) -> None:
+        if self._ranks is not None:
+            raise InvalidRequestError(
+                f"{what} is not supported for a multi-rank job yet (each node holds only its "
+                f"part of the optimizer's state); train it in one process for that")
 
     def _send(self, groups: list[wire.AdamGroup], parts: list[tuple[str, list[_Request]]],
               record: tuple[str, str, bytes] | None) -> None:
@@ -339,7 +478,10 @@ class _StoreAdam(torch.optim.Optimizer):
         of the unscaled gradients, as torch's is."""
         if norm_type != 2.0:
             raise InvalidRequestError("clip_grad_norm_ supports the 2-norm (norm_type=2.0)")
-        norm = math.sqrt(self._gradient_figures().sum_of_squares) * self._unscaled_by
+        if self._ranks is not None:
+            norm = self._norm_across_ranks(self._ranks)
+        else:
+            norm = math.sqrt(self._gradient_figures().sum_of_squares) * self._unscaled_by
         coefficient = max_norm / (norm + 1e-6)
         self._clip_factor = min(1.0, coefficient)
         return torch.tensor(norm)
@@ -368,6 +510,7 @@ class _StoreAdam(torch.optim.Optimizer):
         ones: flag an overflow in `found_inf`, and remember the factor (1 / the loss scale
         from `unscale_`; 1 from the scaler's check before a step) that the next step and
         clipping apply instead of rewriting the gradients."""
+        self._refuse_across_ranks("torch.amp.GradScaler")
         if self._gradient_figures().nonfinite:
             found_inf.fill_(1.0)
         self._unscaled_by = float(inv_scale)
@@ -407,6 +550,7 @@ class _StoreAdam(torch.optim.Optimizer):
         state (build it as the first run did, then call this), and from now on records the
         scheduler's state with each of its steps, so the next restart finds it too. Call it
         before the first step, fresh or restarted (see `infinity.torch.restart`)."""
+        self._refuse_across_ranks("resume() (a warm restart)")
         self.wait_for_daemon()  # (no switch of the delayed update's copies: not a step)
         record = self._taken
         if record is None and self._stored is not None:
@@ -509,6 +653,8 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def _send_record(self, record: tuple[str, str, bytes] | None = None) -> None:
         """A step of no items that carries the record only (a skipped step, a scheduler's)."""
+        if self._ranks is not None:
+            return  # a multi-rank job keeps no record (no warm restart yet)
         stepper = self._steppers[id(self._record_home().client)]
         self._records += stepper.send_step([], [], record=record or self._record())
 
@@ -517,6 +663,7 @@ class _StoreAdam(torch.optim.Optimizer):
     def stored_parameters(self) -> list[StoredParameter]:
         """What the store holds of each parameter, in the optimizer's order (call
         `wait_for_daemon` first)."""
+        self._refuse_across_ranks("a checkpoint")
         pending = {name: copy for _, names in self._written.values()
                    for name, copy in names.items()}
         stored = []
@@ -564,6 +711,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: per parameter its step and both moments (read from the store)."""
+        self._refuse_across_ranks("state_dict()")
         self.synchronize()
         result = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
@@ -583,6 +731,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Steps and hyperparameters as torch loads them; the moments go into the store."""
+        self._refuse_across_ranks("load_state_dict()")
         self.synchronize()
         super().load_state_dict(state_dict)
         for param, param_state in list(self.state.items()):
