@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Iterator
 
 import pytest
 
-from conftest import RunningDaemon, clean_environment, daemon_settings_file
+from conftest import (RunningDaemon, clean_environment, daemon_settings_file, short_tmp_root,
+                      start_daemon_process)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "distributed_trainer.py")
@@ -76,43 +78,71 @@ def finish(*jobs: subprocess.Popen[bytes]) -> None:
         assert job.wait(timeout=240) == 0, "a torchrun job failed (its output is above)"
 
 
-def alone_and_two_ranks(daemon_factory: Callable[..., RunningDaemon], tmp_path: Any, *,
-                        micro_batches: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What one process (with `micro_batches`) and 2 ranks on one daemon wrote, each run with
-    a daemon of its own."""
-    alone = run_alone(daemon_factory(), str(tmp_path / "alone.json"),
-                      micro_batches=micro_batches)
-    finish(torchrun(daemon_factory(), str(tmp_path / "ranks.json"), num_nodes=1, node_rank=0,
-                    port=free_port()))
-    with open(tmp_path / "ranks.json") as f:
-        ranks = json.load(f)
-    assert ranks["world_size"] == 2
-    return alone, ranks
+class Runs:
+    """The training runs the tests compare, each run once per module on a daemon of its own
+    (the runs take most of these tests' time)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.daemons: list[RunningDaemon] = []
+        self.roots: list[str] = []
+        self._done: dict[str, dict[str, Any]] = {}
+
+    def daemon(self) -> RunningDaemon:
+        self.roots.append(short_tmp_root())
+        self.daemons.append(start_daemon_process(self.roots[-1]))
+        return self.daemons[-1]
+
+    def alone(self, *, micro_batches: int) -> dict[str, Any]:
+        key = f"alone-{micro_batches}"
+        if key not in self._done:
+            self._done[key] = run_alone(self.daemon(), os.path.join(self.folder, key + ".json"),
+                                        micro_batches=micro_batches)
+        return self._done[key]
+
+    def ranks_on(self, *, num_nodes: int) -> dict[str, Any]:
+        key = f"nodes-{num_nodes}"
+        if key not in self._done:
+            out, port = os.path.join(self.folder, key + ".json"), free_port()
+            finish(*[torchrun(self.daemon(), out if node == 0 else out + f".{node}",
+                              num_nodes=num_nodes, node_rank=node, port=port)
+                     for node in range(num_nodes)])
+            with open(out) as f:
+                self._done[key] = json.load(f)
+            assert self._done[key]["world_size"] == 2 * num_nodes
+        return self._done[key]
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+        for root in self.roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> Iterator[Runs]:
+    kept = Runs(str(tmp_path_factory.mktemp("runs")))
+    try:
+        yield kept
+    finally:
+        kept.close()
 
 
 def test_two_ranks_on_one_daemon_give_the_losses_and_norms_of_one_process_bit_for_bit(
-        daemon_factory: Callable[..., RunningDaemon], tmp_path: Any) -> None:
-    alone, ranks = alone_and_two_ranks(daemon_factory, tmp_path, micro_batches=2)
+        runs: Runs) -> None:
+    alone, ranks = runs.alone(micro_batches=2), runs.ranks_on(num_nodes=1)
     assert ranks["slice_losses"] == alone["slice_losses"]
     assert ranks["grad_norms"] == alone["grad_norms"]  # clipping saw the same averaged gradient
 
 
-def test_two_ranks_on_one_daemon_hold_the_cpu_tier_bytes_of_one_process(
-        daemon_factory: Callable[..., RunningDaemon], tmp_path: Any) -> None:
-    alone, ranks = alone_and_two_ranks(daemon_factory, tmp_path, micro_batches=1)
+def test_two_ranks_on_one_daemon_hold_the_cpu_tier_bytes_of_one_process(runs: Runs) -> None:
+    alone, ranks = runs.alone(micro_batches=2), runs.ranks_on(num_nodes=1)
     assert ranks["cpu_used_bytes"] <= 1.1 * alone["cpu_used_bytes"]
 
 
 def test_two_nodes_of_two_ranks_give_the_losses_of_one_process_within_rounding(
-        daemon_factory: Callable[..., RunningDaemon], tmp_path: Any) -> None:
-    alone = run_alone(daemon_factory(), str(tmp_path / "alone.json"), micro_batches=1)
-    first, second = daemon_factory(), daemon_factory()
-    port = free_port()
-    finish(torchrun(first, str(tmp_path / "nodes.json"), num_nodes=2, node_rank=0, port=port),
-           torchrun(second, str(tmp_path / "unused.json"), num_nodes=2, node_rank=1, port=port))
-    with open(tmp_path / "nodes.json") as f:
-        nodes = json.load(f)
-    assert nodes["world_size"] == 4
+        runs: Runs) -> None:
+    alone, nodes = runs.alone(micro_batches=1), runs.ranks_on(num_nodes=2)
     for step, (slices, (whole,)) in enumerate(zip(nodes["slice_losses"], alone["slice_losses"])):
         mean = sum(slices) / len(slices)  # the slices are equal in size: the global batch's
         assert mean == pytest.approx(whole, rel=1e-5), f"step {step}"
