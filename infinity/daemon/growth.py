@@ -232,7 +232,7 @@ class TierSpace:
             self.counters.disk_growths += 1
             self.residency.write_error = None
         except InfinityError as exc:
-            error = exc
+            error = exc.with_traceback(None)  # handed on: no cycle through this frame
         except Exception as exc:
             error = StoreDirectoryError(f"growing the store file failed ({type(exc).__name__}: "
                                         f"{exc}); check the directory and the device")

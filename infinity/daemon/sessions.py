@@ -86,7 +86,10 @@ class Session:
     step_namespace: str | None = None
 
     def describe(self) -> str:
-        return f"client {self.id} ({self.name!r}, pid {self.pid})"
+        """For the log: the client's name shortened (a client chooses it, up to the
+        protocol's limit)."""
+        name = self.name if len(self.name) <= 64 else self.name[:61] + "..."
+        return f"client {self.id} ({name!r}, pid {self.pid})"
 
 
 def open_pidfd(pid: int, start_time_s: float) -> int | None:
