@@ -199,6 +199,10 @@ class DaemonConfig:
     # debug: each parameter of an optimizer step waits this long after the one before it, so a
     # test can stop a trainer in the middle of the daemon's step (0: no wait)
     debug_step_delay_s: float = 0.0
+    # Bounds on what clients may open (each session holds a pidfd and an fd-channel socket; a
+    # stream, its slots): past them a hello or a stream_open gets a LimitExceededError.
+    max_clients: int = 1024
+    max_streams_per_client: int = 1024
 
     def validate(self) -> None:
         _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
@@ -212,6 +216,9 @@ class DaemonConfig:
         _require(self.request_timeout_s > 0, "daemon.request_timeout_s must be positive")
         _require(self.start_timeout_s > 0, "daemon.start_timeout_s must be positive")
         _require(self.debug_step_delay_s >= 0, "daemon.debug_step_delay_s must be 0 or more")
+        _require(self.max_clients >= 1, "daemon.max_clients must be at least 1")
+        _require(self.max_streams_per_client >= 1,
+                 "daemon.max_streams_per_client must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,14 @@ class QuotaExceededError(StoreError):
     code = "quota_exceeded"
 
 
+class LimitExceededError(StoreError):
+    """A client asked for more than the daemon gives anyone: more sessions than
+    `daemon.max_clients`, more open streams than `daemon.max_streams_per_client`. Bounds that
+    keep one client from growing the daemon's memory or open files without limit."""
+
+    code = "limit_exceeded"
+
+
 class InvalidRequestError(StoreError):
     """A request's arguments are of the right form but not acceptable (bad dtype, shape, name)."""
 

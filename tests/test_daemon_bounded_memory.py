@@ -1,13 +1,21 @@
-"""What clients send cannot make the daemon's memory grow without bound: failed items leave
-nothing behind, and client-chosen strings are shortened in its log."""
+"""What clients send cannot make the daemon's memory or open files grow without bound: failed
+items leave nothing behind, client-chosen strings are shortened in its log, and sessions and
+streams have limits."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import psutil
 import pytest
+import torch
+import zmq
 
-from infinity.errors import NotFoundError
+from conftest import wait_until
+from infinity.errors import LimitExceededError, NotFoundError
+from infinity.protocol import wire
+from infinity.protocol.paths import RuntimeLayout
 
 
 def anonymous_mib(pid: int) -> float:
@@ -48,3 +56,48 @@ def test_a_long_client_name_is_shortened_in_the_daemons_log(daemon: Any) -> None
     log = daemon.log()
     assert "n" * 61 + "..." in log
     assert "n" * 65 not in log
+
+
+def test_a_client_past_daemon_max_clients_is_refused_until_one_leaves(
+        daemon_factory: Any) -> None:
+    daemon = daemon_factory(**{"daemon.max_clients": 3})
+    clients = [daemon.connect(f"c{i}") for i in range(3)]
+    try:
+        with pytest.raises(LimitExceededError, match="daemon.max_clients"):
+            daemon.connect("one-too-many")
+        clients.pop().close()
+        wait_until(lambda: daemon.connect("after-one-left"), timeout_s=10,
+                   what="a client to be let in once another closed").close()
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_stream_past_daemon_max_streams_per_client_is_refused_and_others_go_on(
+        daemon_factory: Any) -> None:
+    daemon = daemon_factory(**{"daemon.max_streams_per_client": 4})
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(RuntimeLayout(daemon.runtime_dir).control_endpoint)
+
+    def call(request_id: int, message: wire.Request) -> Any:
+        sock.send(wire.encode_request(request_id, message))
+        return wire.decode_reply(sock.recv())
+
+    try:
+        call(1, wire.Hello(wire.PROTOCOL_VERSION, "streamer", os.getpid(),
+                           psutil.Process().create_time()))
+        for i in range(4):  # held open: never closed
+            opened = call(10 + i, wire.StreamOpen("ns", f"w{i}", "write", "float32", (7,)))
+            assert opened.failure is None and type(opened.results[0]) is not wire.ItemError
+        refused = call(20, wire.StreamOpen("ns", "w5", "write", "float32", (7,))).failure
+        assert refused is not None and refused.code == LimitExceededError.code
+        assert "daemon.max_streams_per_client" in refused.message
+        other = daemon.connect("other")  # the limit is per client
+        other.write_from("streamed", torch.arange(11.0), namespace="ns")
+        other.close()
+    finally:
+        sock.close()
+        context.term()

@@ -90,7 +90,8 @@ class Daemon:
                                  tensors=self.residency.tensors)
         self.data = DataService(self.catalog, self.tiers, self.scheduler, self.steps,
                                 self.planner, self.counters, self.namespaces)
-        self.streams = StreamTable(config.nvme, self.catalog, self.tiers)
+        self.streams = StreamTable(config.nvme, self.catalog, self.tiers,
+                                   max_per_client=config.daemon.max_streams_per_client)
         self.stream_service = StreamService(self.streams, self.counters, self.namespaces)
         self.namespace_service = NamespaceService(self.namespaces, self.catalog)
         # Compute beside the data (the optimizer's kernels) runs on one native task pool whose

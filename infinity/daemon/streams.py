@@ -39,8 +39,8 @@ from infinity.daemon.arena import CpuSlice, SpaceShortage
 from infinity.daemon.catalog import Catalog, Key, Version, check_key
 from infinity.daemon.sessions import DAEMON_CLIENT_ID
 from infinity.daemon.tiers import DiskCopy, TierManager
-from infinity.errors import (InfinityError, InvalidRequestError, LeaseError, OutOfRangeError,
-                             TierFullError)
+from infinity.errors import (InfinityError, InvalidRequestError, LeaseError, LimitExceededError,
+                             OutOfRangeError, TierFullError)
 from infinity.protocol import dtypes
 from infinity.protocol.wire import Placement, StreamInfo
 from infinity.store.nvme import (CRC_BLOCK_BYTES, TensorLayout, crc_blocks, crc_buffer,
@@ -85,7 +85,8 @@ class Stream:
 class StreamTable:
     """Every open stream, by (client, stream id). Loop thread only."""
 
-    def __init__(self, config: NvmeConfig, catalog: Catalog, tiers: TierManager) -> None:
+    def __init__(self, config: NvmeConfig, catalog: Catalog, tiers: TierManager, *,
+                 max_per_client: int = 1024) -> None:
         # A chunk is a staging slice of the CPU tier: at most half of it (in whole MiB, the
         # checksum block), or a tier smaller than nvme.stream_chunk_bytes could not stream at all.
         self.chunk_bytes = min(config.stream_chunk_bytes,
@@ -94,6 +95,8 @@ class StreamTable:
         self.catalog = catalog
         self.tiers = tiers
         self._streams: dict[tuple[int, int], Stream] = {}
+        self._open_by_client: dict[int, int] = {}  # streams open, for daemon.max_streams_per_client
+        self.max_per_client = max_per_client
         self.opened = 0
 
     def __len__(self) -> int:
@@ -107,6 +110,10 @@ class StreamTable:
         if (client, stream_id) in self._streams:
             raise LeaseError(f"stream {stream_id} is open already: stream ids must not be reused")
         check_key(namespace, name)
+        if self._open_by_client.get(client, 0) >= self.max_per_client:
+            raise LimitExceededError(
+                f"this client has {self.max_per_client} streams open already "
+                f"(daemon.max_streams_per_client); close streams it is done with")
         key = (namespace, name)
         if mode == "read":
             stream = self._open_read(client, stream_id, key)
@@ -116,6 +123,7 @@ class StreamTable:
             raise InvalidRequestError(f"a stream is opened to 'read' or 'write', not "
                                       f"{mode[:80]!r}")
         self._streams[(client, stream_id)] = stream
+        self._open_by_client[client] = self._open_by_client.get(client, 0) + 1
         self.opened += 1
         if stream.direct and mode == "read":
             self._opened(stream, done)  # the resident version's slice is the one slot
@@ -319,7 +327,7 @@ class StreamTable:
                         f"the reservation of tensor {key[1]!r} that stream {stream.id} was "
                         f"writing is gone (aborted by this client?); write the tensor again")
                 stream.slots = []  # the reservation's slice becomes the version's
-                self._streams.pop((stream.client, stream.id), None)
+                self._forget(stream)
                 version = self.catalog.commit(stream.client, key[0], key[1])
             else:
                 missing = stream.written.find(0)
@@ -344,10 +352,19 @@ class StreamTable:
         self.tiers.make_durable([version], lambda errors: done(
             errors[0] if errors[0] is not None else version.stamp))
 
+    def _forget(self, stream: Stream) -> None:
+        """The stream is no longer open (once: a stream is forgotten at most once)."""
+        if self._streams.pop((stream.client, stream.id), None) is not None:
+            left = self._open_by_client[stream.client] - 1
+            if left:
+                self._open_by_client[stream.client] = left
+            else:
+                del self._open_by_client[stream.client]
+
     def _discard(self, stream: Stream) -> None:
         """Give back whatever the stream holds (nothing may be in flight)."""
         stream.dead = True
-        self._streams.pop((stream.client, stream.id), None)
+        self._forget(stream)
         if stream.mode == "read":
             if stream.version is not None:
                 self.catalog.release(DAEMON_CLIENT_ID, stream.lease_id)

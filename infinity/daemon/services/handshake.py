@@ -23,7 +23,7 @@ from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.services.base import Routes, SocketHandler
 from infinity.daemon.sessions import Session, Sessions, open_pidfd
-from infinity.errors import ProtocolError
+from infinity.errors import LimitExceededError, ProtocolError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
 
@@ -81,6 +81,11 @@ class SessionService:
 
     def hello(self, identity: bytes, session: Session | None, request_id: int,
               hello: wire.Hello) -> list[Any]:
+        limit = self.config.daemon.max_clients
+        if len(self.sessions.by_id) >= limit:
+            raise LimitExceededError(
+                f"infinityd serves {limit} clients already (daemon.max_clients); close clients "
+                f"that are done, or raise the setting")
         session = self.sessions.open(hello, identity)
         self._watch(session, hello.pid)
         log.info("%s connected%s", session.describe(),
