@@ -29,6 +29,7 @@ def test_the_quick_run_reports_steps_io_bound_and_peak_memory(disk_tmp: str) -> 
     assert steps["median_s"] == sorted(steps["seconds"])[1]
     moved = report["disk_bytes_per_step"]
     assert {"read_bytes", "write_bytes", "tier_read_bytes", "tier_write_bytes"} <= set(moved)
+    assert {"evictions", "reloads", "space_waits"} <= set(report["tier_events_per_step"])
     assert report["engine"]["read_gbps"] > 0 and report["engine"]["overwrite_gbps"] > 0
     assert report["io_bound_s"] >= 0 and "step_over_io_bound" in report
     for phase in ("build", "steps"):

@@ -31,7 +31,9 @@ How it runs (each part a process of its own, so each one's memory is its own):
 - The bytes moved to and from the disk per step are the daemon's block I/O (/proc/<pid>/io) and
   its tier counters (bench_train's `daemon_counters`) from the first timed step's start to the
   step's after the last one's: the same point of the cycle at both ends, so the optimizer step
-  still running into a step's start is counted once for each step. The I/O engine's read
+  still running into a step's start is counted once for each step. Over the same window, the
+  tier's events per step (evictions, write-backs, reloads, prefetches, requests that waited for
+  a load or for space, segments created). The I/O engine's read
   and overwrite bandwidth is then measured on the same disk (bench_train's `EngineBandwidth`,
   tools/bench_io.py's `EngineContender`), and the step time is reported against its I/O bound
   (bench_train's `io_bound_s`: read bytes over read GB/s plus written bytes over overwrite GB/s).
@@ -228,6 +230,10 @@ class Trainer:
         step = int(request["step"])
         self.starts.append(time.perf_counter())
         counters = daemon_counters(self.client, self.daemon.pid)
+        tiers = self.client.stats()["counters"]["tiers"]
+        # How the tier got its bytes: evictions, write-backs, reloads, prefetches, and the
+        # requests that waited for a load or for space.
+        events = {key: value for key, value in tiers.items() if not key.endswith("_bytes")}
         vocab = int(self.request["spec"]["vocab_size"])
         ids = train_common.batch_for(step, batch=int(self.request["batch"]),
                                      sequence=int(self.request["sequence"]), vocab=vocab,
@@ -243,7 +249,8 @@ class Trainer:
         # a backward for its gradients to go into the store; step() only sends the step.
         phases = {"forward_s": forward - begun, "backward_s": backward - forward,
                   "step_sent_s": time.perf_counter() - backward}
-        return {"loss": float(loss.detach()), "counters": counters, "phases": phases}
+        return {"loss": float(loss.detach()), "counters": counters, "events": events,
+                "phases": phases}
 
     def finish(self, request: dict[str, Any]) -> dict[str, Any]:
         """Wait for the optimizer step still running in the daemon; the steps' start times."""
@@ -490,6 +497,9 @@ def run(args: argparse.Namespace, setup: dict[str, Any], base: str, console: Any
             result["disk_bytes_per_step"] = per_step(answers[1]["counters"],
                                                      answers[args.steps + 1]["counters"],
                                                      args.steps)
+            result["tier_events_per_step"] = per_step(answers[1]["events"],
+                                                      answers[args.steps + 1]["events"],
+                                                      args.steps)
             console.print("measuring the engine's bandwidth on the same disk")
             engine = EngineBandwidth(os.path.join(base, "engine"), args.engine_bytes)
             for seed in range(args.engine_rounds):
