@@ -1,4 +1,5 @@
-"""Starting a private infinityd for a benchmark: settings as --set flags, wait for its ready fd."""
+"""Starting a private infinityd for a benchmark (settings as --set flags, wait for its ready fd),
+and stopping it."""
 
 from __future__ import annotations
 
@@ -72,3 +73,21 @@ def start_daemon(folder: str, settings: dict[str, Any]) -> tuple[subprocess.Pope
         process.kill()
         raise SystemExit(f"infinityd did not start; see {folder}/infinityd.log")
     return process, config
+
+
+def stop_daemon(client: Any, daemon: subprocess.Popen[bytes] | None, *,
+                wait_s: float = 60.0) -> None:
+    """Ask a benchmark's daemon to shut down through `client` (then closed), wait for it to exit
+    (its shutdown writes its index), and kill it if it does not within `wait_s`."""
+    if client is not None:
+        try:
+            client.shutdown_daemon()
+        except Exception:  # the daemon gone already: the wait below says so
+            pass
+        client.close()
+    if daemon is not None:
+        try:
+            daemon.wait(wait_s)
+        except Exception:
+            daemon.kill()
+            daemon.wait(10)

@@ -127,6 +127,24 @@ def daemon_settings(config: str, folder: str, state_bytes: int,
     return settings
 
 
+def daemon_counters(client: Any, daemon_pid: int) -> dict[str, int]:
+    """The disk bytes a daemon moved so far: its process's block I/O (/proc/<pid>/io) and its
+    NVMe tier's own counters (reloads and streamed reads; write-backs and streamed writes)."""
+    io = worker_protocol.proc_io_bytes(daemon_pid)
+    tiers = client.stats().get("counters", {}).get("tiers", {})
+    return {**io,
+            "tier_read_bytes": tiers.get("reload_bytes", 0) + tiers.get("stream_read_bytes", 0),
+            "tier_write_bytes": (tiers.get("writeback_bytes", 0)
+                                 + tiers.get("stream_write_bytes", 0))}
+
+
+def io_bound_s(read_bytes: float, write_bytes: float, read_gbps: float,
+               write_gbps: float) -> float:
+    """The time the disk needs for a step's bytes at the engine's measured bandwidth: reads at
+    its read GB/s plus writes at its overwrite GB/s (the two do not overlap in this bound)."""
+    return read_bytes / (read_gbps * 1e9) + write_bytes / (write_gbps * 1e9)
+
+
 class TrainWorker:
     """The worker's state: its model, optimizer and (for Infinity) daemon."""
 
@@ -192,12 +210,7 @@ class TrainWorker:
         return answer
 
     def daemon_counters(self) -> dict[str, int]:
-        io = worker_protocol.proc_io_bytes(self.daemon.pid)
-        tiers = self.client.stats().get("counters", {}).get("tiers", {})
-        return {**io,
-                "tier_read_bytes": tiers.get("reload_bytes", 0) + tiers.get("stream_read_bytes", 0),
-                "tier_write_bytes": (tiers.get("writeback_bytes", 0)
-                                     + tiers.get("stream_write_bytes", 0))}
+        return daemon_counters(self.client, self.daemon.pid)
 
     def steps(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.train_step is not None
@@ -206,18 +219,9 @@ class TrainWorker:
                                       settle=self.settle)
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.shutdown_daemon()
-            except Exception:  # the daemon gone already: the wait below says so
-                pass
-            self.client.close()
-        if self.daemon is not None:
-            try:
-                self.daemon.wait(60)
-            except Exception:
-                self.daemon.kill()
-                self.daemon.wait(10)
+        from bench_launch import stop_daemon
+
+        stop_daemon(self.client, self.daemon, wait_s=60)
 
 
 def worker_main(config: str) -> int:
@@ -384,8 +388,8 @@ def summarize(result: dict[str, Any], read_gbps: float, write_gbps: float) -> No
         subject["median_s"] = round(median(subject["seconds"]), 4)
         subject["seconds"] = [round(s, 4) for s in subject["seconds"]]
         subject["losses"] = [round(x, 5) for x in subject["losses"]]
-        subject["io_bound_s"] = round(per_step["read_bytes"] / (read_gbps * 1e9)
-                                      + per_step["write_bytes"] / (write_gbps * 1e9), 4)
+        subject["io_bound_s"] = round(io_bound_s(per_step["read_bytes"], per_step["write_bytes"],
+                                                 read_gbps, write_gbps), 4)
         del subject["io"]
     ratios: dict[str, Any] = {}
     for peer in ("plain", "deepspeed_nvme"):
@@ -411,6 +415,17 @@ def summarize(result: dict[str, Any], read_gbps: float, write_gbps: float) -> No
         targets["infinity_nvme >= 1.4x faster than deepspeed_nvme"] = {
             "ratio": round(speedup, 3), "met": speedup >= 1.4}
     result["targets"] = targets
+
+
+def remove_run_folder(base: str, *, failed: bool, keep: bool) -> None:
+    """The end of a run's folder: all of it goes after a success (unless `keep`), all but its
+    `logs` after a failure (the data can be tens of GB; the logs say what failed)."""
+    if not failed and not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    elif failed:
+        for entry in os.listdir(base):
+            if entry != "logs":
+                shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,12 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         report["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
-        if not failed and not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
-        elif failed:  # keep the logs, drop the data
-            for entry in os.listdir(base):
-                if entry != "logs":
-                    shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+        remove_run_folder(base, failed=failed, keep=args.keep)
     print(json.dumps(report, indent=1))
     return 0
 
