@@ -91,3 +91,15 @@ def stop_daemon(client: Any, daemon: subprocess.Popen[bytes] | None, *,
         except Exception:
             daemon.kill()
             daemon.wait(10)
+
+
+def daemon_figures(pid: int) -> dict[str, int]:
+    """A running daemon's resident and anonymous memory and its open files (/proc), as the
+    reliability tools sample them."""
+    figures = {"rss_bytes": 0, "anon_bytes": 0}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "RssAnon:")):
+                key = "rss_bytes" if line.startswith("VmRSS:") else "anon_bytes"
+                figures[key] = int(line.split()[1]) * 1024
+    return {**figures, "open_files": len(os.listdir(f"/proc/{pid}/fd"))}
