@@ -808,6 +808,28 @@ def test_a_corrupted_block_is_reported_as_corruption_not_served(store: Store) ->
         assert tier_counters(client)["checksum_errors"] == 2
 
 
+def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(store: Store) -> None:
+    """The extent file truncated while the daemon serves (a fault of the disk or of an
+    operator): a tensor whose bytes were cut off reads short; it is reported, never served
+    as the zeros past the file's new end, and the tensor before the cut still reads back."""
+    daemon = store.start()
+    first, second = pattern(1, 3 * MiB), pattern(2, 5 * MiB + 11)
+    with daemon.connect() as client:
+        client.put("first", first, durable=True)
+        client.put("second", second, durable=True)
+        push_out(client)
+        assert tier_of(client, "first") == tier_of(client, "second") == "nvme"
+        _, offset, _ = store.index_layout("second")["extents"][0]
+        os.truncate(os.path.join(store.dir, "infinity-extents.dat"), offset + MiB // 2)
+        with pytest.raises(ChecksumError, match="'second'.*corrupted"):  # the zeros fail the CRC
+            client.get("second")
+        with client.get("first") as view:
+            assert same_bytes(view, first)
+        client.put("after", pattern(3, 7))  # still serving
+    daemon.assert_serving()
+    assert "internal error" not in daemon.log()
+
+
 def test_infinity_verify_names_corrupted_tensors_and_exits_1(
         store: Store, capsys: pytest.CaptureFixture[str]) -> None:
     daemon = store.start()
