@@ -22,7 +22,8 @@ from conftest import (RunningDaemon, run_in_threads, short_tmp_root, start_daemo
                       wait_until)
 from infinity.cli.main import main as infinity_main
 from infinity.errors import (ChecksumError, DiskFullError, InfinityError, InvalidRequestError,
-                             IOEngineError, StoreFullError, TierFullError, TooLargeError)
+                             IOEngineError, StoreDirectoryError, StoreFullError, TierFullError,
+                             TooLargeError)
 from infinity.protocol import wire
 
 MiB = 1024 * 1024
@@ -826,6 +827,27 @@ def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(store: 
         with client.get("first") as view:
             assert same_bytes(view, first)
         client.put("after", pattern(3, 7))  # still serving
+    daemon.assert_serving()
+    assert "internal error" not in daemon.log()
+
+
+def test_a_store_directory_removed_under_the_daemon_makes_durable_writes_fail_not_vanish(
+        store: Store) -> None:
+    """rm -rf of the store directory while the daemon serves: the open files keep taking
+    writes, but nothing reaches them after a restart, so a durable put or a flush must fail
+    with an error saying what happened instead of being acknowledged; reads of what is in
+    memory go on, and the daemon keeps serving."""
+    daemon = store.start()
+    kept = pattern(1, 2 * MiB)
+    with daemon.connect() as client:
+        client.put("kept", kept, durable=True)
+        shutil.rmtree(store.dir)
+        with pytest.raises(StoreDirectoryError, match="removed while infinityd ran"):
+            client.put("after", pattern(2, 3 * MiB), durable=True)
+        with pytest.raises(StoreDirectoryError, match="removed while infinityd ran"):
+            client.flush_store()
+        with client.get("kept") as view:
+            assert same_bytes(view, kept)
     daemon.assert_serving()
     assert "internal error" not in daemon.log()
 

@@ -108,6 +108,7 @@ class DurableIndex:
                 for directory in tier.directories:
                     self._refuse_foreign(directory.path, directory.opened_bytes)
             self._db = self._open(self.path)
+            self._index_inode = os.stat(self.path).st_ino  # a removed index is found by it
             self._check_meta()
             self._sync_directories()
         except BaseException:
@@ -333,6 +334,7 @@ class DurableIndex:
                 except OSError as exc:
                     self.tier.sync_failures += 1
                     raise _disk_error(exc, "fdatasync of the store's extent file") from None
+            self._require_files_in_place(fds)
             failed_since = [r.name for r in batch
                             if r.layout.extents and r.sync_failures_before != self.tier.sync_failures]
             if failed_since:
@@ -344,6 +346,27 @@ class DurableIndex:
                 db.executemany("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?)", rows)
 
         return self._submit(job, on_done)
+
+    def _require_files_in_place(self, fds: Iterable[int]) -> None:
+        """StoreDirectoryError if an extent file or the index was removed (its directory
+        deleted, a file unlinked) while the daemon runs: the writes still succeed, into files
+        no name reaches, so nothing written there would be found after a restart. Checked
+        before each publication, so no such write is acknowledged as durable."""
+        for directory in self.tier.directories:
+            if directory.fd in fds and os.fstat(directory.fd).st_nlink == 0:
+                raise StoreDirectoryError(
+                    f"the store's extent file in {directory.path} was removed while infinityd "
+                    f"ran, so nothing written to it is durable; restore the directory or stop "
+                    f"the daemon, and do not delete a store directory in use")
+        try:
+            in_place = os.stat(self.path).st_ino == self._index_inode
+        except OSError:
+            in_place = False
+        if not in_place:
+            raise StoreDirectoryError(
+                f"the store index {self.path} was removed or replaced while infinityd ran, so "
+                f"no flush can be made durable; restore the directory or stop the daemon, and "
+                f"do not delete a store directory in use")
 
     def remove(self, keys: Iterable[tuple[str, str]], *,
                on_done: Callable[[Future[None]], None] | None = None) -> Future[None]:
