@@ -871,6 +871,29 @@ def test_infinity_verify_names_corrupted_tensors_and_exits_1(
     assert "CORRUPTED default/broken" in out and "fine" not in out
 
 
+def test_infinity_verify_asks_the_running_daemon_and_names_what_was_corrupted_under_it(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = store.start()
+    fine, broken = pattern(1, 2 * MiB), pattern(2, 17 * MiB + 7)  # more than one read chunk
+    flags = ["--config", os.path.join(store.root, "settings.toml"), "--set",
+             f"nvme.dirs={store.dir}", "--set", f"daemon.runtime_dir={daemon.runtime_dir}"]
+    with daemon.connect() as client:
+        client.put("fine", fine)
+        client.write_from("broken", broken)  # larger than the CPU tier: streamed to NVMe
+        client.flush_store()
+        client.put("in-memory-only", pattern(3, 5))  # never written back: not checked
+        assert infinity_main(["verify", *flags]) == 0
+        out = capsys.readouterr().out
+        assert "2 tensor(s)" in out and "by the running infinityd" in out
+        store.corrupt("broken", at=16 * MiB + 3)  # in its second chunk, under the daemon
+        assert infinity_main(["verify", *flags]) == 1
+        out = capsys.readouterr().out
+        assert "CORRUPTED default/broken" in out and "default/fine" not in out
+        with client.get("fine") as view:  # the daemon serves on, its store unchanged
+            assert same_bytes(view, fine)
+    daemon.assert_serving()
+
+
 def _store_on_two_directories(store: Store) -> str:
     """A store on [store.dir, other] holding one flushed tensor, its daemon stopped; returns other."""
     other = os.path.join(store.root, "other")

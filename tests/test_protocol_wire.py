@@ -26,6 +26,7 @@ REQUESTS: list[wire.Request] = [
     wire.CommitRenew((wire.TensorRef("ns", "g"), wire.TensorRef("ns", "h"))),
     wire.CommitDurable((wire.TensorRef("ns", "g"), wire.TensorRef("ns", "h"))),
     wire.FlushStore(),
+    wire.Verify(),
     wire.StreamOpen("ns", "big", "write", "float16", (1 << 20, 4096)),
     wire.StreamOpen("ns", "big", "read"),
     wire.StreamChunk(9, 1, 8 << 20, 3 << 20),

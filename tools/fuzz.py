@@ -59,7 +59,7 @@ REFERENCE_NAMESPACE = "reference-tensors-the-fuzzer-never-names"
 OPS = ["hello", "attach", "heartbeat", "detach", "bye", "stats", "get", "release", "reserve",
        "commit", "commit_renew", "commit_durable", "flush_store", "stream_open", "stream_chunk",
        "stream_close", "abort", "prefetch", "delete", "exists", "list", "step", "get_ahead",
-       "upcoming", "namespace", "adam_step", "not_an_op"]
+       "upcoming", "namespace", "adam_step", "verify", "not_an_op"]
 
 
 def seeded_tensor(index: int) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""`infinity verify`: check every flushed tensor of the NVMe store against its checksums, offline.
+"""`infinity verify`: check every flushed tensor of the NVMe store against its checksums.
 
-It opens the store the way infinityd does (the index in the first of
+Offline, it opens the store the way infinityd does (the index in the first of
 `nvme.dirs`, the extent files, the store lock), reads every tensor the index
 names, 1 MiB checksum block by block, with the CRC32C verified in the
 engine's threads, and reports each tensor that does not read back whole by
-namespace and name. It works offline: while an infinityd serves the store,
-the store lock makes it refuse (stop the daemon with `infinityd stop` first).
-It never writes tensor bytes.
+namespace and name. While an infinityd serves the store (its lock is held),
+it asks that daemon instead, found by the same settings' runtime folder: the
+daemon's `verify` request reads back every tensor that has an NVMe copy, as
+it serves (`infinity.daemon.services.verify`). It never writes tensor bytes.
 
 Exit status: 0 every tensor verified, 1 at least one is corrupted, 2 the store
 could not be checked at all (settings, a missing directory, a damaged index).
@@ -15,6 +16,7 @@ could not be checked at all (settings, a missing directory, a damaged index).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sqlite3
@@ -23,11 +25,12 @@ import time
 from collections import deque
 from typing import Any
 
-from infinity.config import MiB, load_config
-from infinity.errors import ConfigError, InfinityError, StoreDirectoryError
+from infinity.config import InfinityConfig, MiB, load_config
+from infinity.errors import ConfigError, DaemonUnavailableError, InfinityError, StoreDirectoryError
 from infinity.io import IOEngine, IOFuture, aligned_empty
 from infinity.protocol import dtypes
-from infinity.store.durable import DurableIndex, DurableRecord, index_path, store_files_in
+from infinity.store.durable import (LOCK_FILE_NAME, DurableIndex, DurableRecord, index_path,
+                                    store_files_in)
 from infinity.store.nvme import EXTENT_FILE_NAME, NvmeTier
 
 CHUNK_BYTES = 16 * MiB  # a multiple of the 1 MiB checksum block
@@ -94,6 +97,8 @@ def verify_store(config_path: str | None, overrides: list[str]) -> dict[str, Any
         report["note"] = f"no store index at {index_path(first)}: nothing was ever flushed there"
         return report
     start = time.perf_counter()
+    if _store_in_use(config.nvme.dirs[0]):
+        return _verify_online(config, report, start)
     with IOEngine.from_config(config.io) as engine:
         tier = NvmeTier(config.nvme, engine)
         try:
@@ -121,6 +126,53 @@ def verify_store(config_path: str | None, overrides: list[str]) -> dict[str, Any
     return report
 
 
+def _store_in_use(directory: str) -> bool:
+    """Whether a process holds the store's lock (an infinityd serving it, or a verify)."""
+    path = os.path.join(directory, LOCK_FILE_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _verify_online(config: InfinityConfig, report: dict[str, Any], start: float
+                   ) -> dict[str, Any]:
+    """Ask the infinityd of these settings, which serves the store, to verify it."""
+    import infinity
+
+    try:
+        client = infinity.connect(config=config, name="infinity-verify")
+    except DaemonUnavailableError:
+        raise StoreDirectoryError(
+            f"the store in {config.nvme.dirs[0]} is in use by a process that is not an infinityd "
+            f"of these settings (daemon.runtime_dir {config.daemon.runtime_dir}); pass the "
+            f"settings of the daemon that serves it, or stop that process") from None
+    with client:
+        served = [d["path"] for d in client.stats()["tiers"].get("nvme", {}).get("dirs", [])]
+        if served[:1] != [os.path.abspath(config.nvme.dirs[0])]:
+            raise StoreDirectoryError(
+                f"the infinityd of daemon.runtime_dir {config.daemon.runtime_dir} serves "
+                f"{served or 'no store'}, not the store in {config.nvme.dirs[0]}; pass the "
+                f"settings of the daemon that serves it")
+        summary = client.verify_store()
+    report.update(online=True, tensors=summary["tensors"], bytes=summary["bytes"],
+                  skipped=summary["skipped"], not_on_nvme=summary["not_on_nvme"],
+                  corrupted=[{"namespace": ns, "name": name, "error": error}
+                             for ns, name, error in summary["corrupted"]])
+    if summary["num_corrupted"] > len(summary["corrupted"]):
+        report["note"] = (f"{summary['num_corrupted']} tensors are corrupted; the first "
+                          f"{len(summary['corrupted'])} are named")
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     report = verify_store(args.config, args.overrides)
     if args.json:
@@ -130,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
             print(report["note"])
         for bad in report["corrupted"]:
             print(f"CORRUPTED {bad['namespace']}/{bad['name']}: {bad['error']}")
-        print(f"{report['tensors']} tensor(s), {report['bytes']} bytes checked in "
+        where = " by the running infinityd" if report.get("online") else ""
+        print(f"{report['tensors']} tensor(s), {report['bytes']} bytes checked{where} in "
               f"{report['seconds']:.2f}s: {len(report['corrupted'])} corrupted")
     if report["corrupted"]:
         print("rewrite the corrupted tensors from a good copy, or delete them", file=sys.stderr)

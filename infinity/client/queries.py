@@ -56,3 +56,11 @@ class QueryCalls(Session):
         self._raise_first([result])
         return wire.decode_stats(result)
 
+    def verify_store(self) -> dict[str, Any]:
+        """Have the daemon read back every flushed tensor's NVMe copy against its checksums,
+        while it serves; returns {"tensors", "bytes", "num_corrupted", "corrupted": [[namespace,
+        name, what failed], ...], "skipped", "not_on_nvme"} once it has (a store-wide read:
+        minutes for a large store). Needs an NVMe tier."""
+        (result,) = self._call(wire.Verify(), patient=True)
+        self._raise_first([result])
+        return wire.decode_verify_summary(result)

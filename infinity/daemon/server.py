@@ -30,6 +30,7 @@ from infinity.daemon.services.data import DataService
 from infinity.daemon.services.handshake import SessionService
 from infinity.daemon.services.namespaces import NamespaceService
 from infinity.daemon.services.optimizer import OptimizerService
+from infinity.daemon.services.verify import VerifyService
 from infinity.daemon.services.prefetch import PrefetchPlanner
 from infinity.daemon.services.steps import StepService
 from infinity.daemon.services.streams import StreamService
@@ -117,8 +118,9 @@ class Daemon:
         # --- the dispatcher: every op to its service's handler ---
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,
                                      release=self.data.release_ids)
+        self.verifier = VerifyService(self.catalog, self.tiers.nvme, self.counters)
         for service in (self.session_service, self.data, self.stream_service, self.steps,
-                        self.namespace_service, self.optimizer, self.admin):
+                        self.namespace_service, self.optimizer, self.verifier, self.admin):
             self.dispatcher.register(service.routes())
         self.dispatcher.register_socket_ops(openers=self.session_service.openers(),
                                             socket_routes=self.session_service.socket_routes())

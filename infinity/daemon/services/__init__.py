@@ -17,6 +17,7 @@ session ends.
   in the index) and `prefetch` (the plans that follow news)
 - `namespaces`: namespace (create, info, seal a namespace record)
 - `optimizer`: adam_step (Adam / AdamW run beside the data, on the native task pool)
+- `verify`: verify (every flushed tensor's NVMe copy read back against its checksums, online)
 - `admin`: stats, shutdown
 
 Next, in a module of its own here, built and registered in `Daemon.__init__` beside

@@ -61,10 +61,12 @@ from .requests import (MAX_UPCOMING_ENTRIES, NAMESPACE_ACTIONS, NAMESPACE_MODES,
                        Abort, Attach, Bye, Commit, CommitDurable, CommitRenew, Delete, Detach,
                        Exists, FlushStore, Get, GetAhead, GetItem, Heartbeat, Hello, ListItem,
                        ListTensors, NamespaceOp, Prefetch, Release, Reserve, ReserveItem, Shutdown,
-                       Stats, Step, StreamChunk, StreamClose, StreamOpen, TensorRef, Upcoming)
+                       Stats, Step, StreamChunk, StreamClose, StreamOpen, TensorRef, Upcoming,
+                       VERIFY_REPORTED, Verify)
 from .results import (STEP_OUTCOMES, ItemError, NamespaceInfo, Placement, StepReport, StreamInfo,
                       TensorInfo, Welcome, decode_bool, decode_flush_summary, decode_infos,
-                      decode_none, decode_renewed, decode_stats, decode_version)
+                      decode_none, decode_renewed, decode_stats, decode_verify_summary,
+                      decode_version)
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_PID", "MAX_MESSAGE_BYTES", "MAX_ITEMS", "MAX_STR_BYTES",
@@ -72,13 +74,13 @@ __all__ = [
     "TensorRef", "GetItem", "ReserveItem", "ListItem", "Hello", "Attach", "Heartbeat", "Detach",
     "Bye", "Stats", "Shutdown", "Get", "Release", "Reserve", "Commit", "CommitRenew",
     "CommitDurable", "FlushStore", "StreamOpen", "StreamChunk", "StreamClose", "Abort", "Prefetch",
-    "Delete", "Exists", "ListTensors", "STEP_PHASES", "Step", "GetAhead", "Upcoming",
+    "Delete", "Exists", "ListTensors", "Verify", "VERIFY_REPORTED", "STEP_PHASES", "Step", "GetAhead", "Upcoming",
     "MAX_UPCOMING_ENTRIES", "NAMESPACE_MODES", "NAMESPACE_ACTIONS", "NamespaceOp", "AdamGroup",
     "AdamItem", "AdamStep", "MULTI_OPS", "MAX_MULTI_REQUESTS", "Multi", "Request", "REQUESTS",
     "NO_REPLY_OPS", "encode_request", "Envelope", "decode_envelope", "decode_body", "ItemError",
     "STEP_OUTCOMES", "StepReport", "Welcome", "Placement", "StreamInfo", "TensorInfo",
     "NamespaceInfo", "decode_version", "decode_renewed", "decode_bool", "decode_none",
-    "decode_infos", "decode_stats", "decode_flush_summary", "Result", "Reply", "encode_reply",
+    "decode_infos", "decode_stats", "decode_flush_summary", "decode_verify_summary", "Result", "Reply", "encode_reply",
     "pack_result", "encode_packed_reply", "encode_results", "encode_packed_results",
     "encode_multi_reply", "split_multi_reply", "encode_error", "decode_reply", "split_reply",
     "decode_results", "SegmentInfo", "FdRequest", "FdReply",

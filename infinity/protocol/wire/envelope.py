@@ -16,7 +16,7 @@ from .adam import AdamStep
 from .codec import (MAX_ITEMS, MAX_MESSAGE_BYTES, _SEQ, _bad, _is_lease_id, _list, _pack, _short,
                     _unpack)
 from .requests import (Abort, Attach, Bye, Commit, CommitDurable, CommitRenew, Delete, Detach,
-                       Exists, FlushStore, Get, GetAhead, Heartbeat, Hello, ListTensors,
+                       Exists, FlushStore, Get, GetAhead, Heartbeat, Hello, ListTensors, Verify,
                        NamespaceOp, Prefetch, Release, Reserve, Shutdown, Stats, Step, StreamChunk,
                        StreamClose, StreamOpen, Upcoming)
 
@@ -93,12 +93,13 @@ class Multi:
 
 Request = Union[Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
-                Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep]
+                Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep,
+                Verify]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
     CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep)}
+    ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep, Verify)}
 
 # Operations the daemon never answers (a client must not wait for them).
 NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach"})

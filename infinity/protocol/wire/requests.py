@@ -346,6 +346,28 @@ class FlushStore:
         return cls()
 
 
+VERIFY_REPORTED = 1000  # corrupted tensors a verify result names at most (it counts them all)
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Reads back every flushed tensor's NVMe copy and checks it against its checksums, while
+    the daemon serves (`infinity verify` with a daemon running); answered with one result, a
+    map: `tensors` and `bytes` checked, `corrupted` ([namespace, name, what failed], at most
+    VERIFY_REPORTED), `num_corrupted`, `skipped` (changed, deleted or leased exclusively
+    meanwhile), `not_on_nvme` (never written back)."""
+
+    OP: ClassVar[str] = "verify"
+
+    def body(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> Verify:
+        _list(body, "verify", 0)
+        return cls()
+
+
 @dataclass(frozen=True, slots=True)
 class StreamOpen:
     """Opens a stream to read a tensor (`mode` "read"; dtype "" and shape () are ignored) or to

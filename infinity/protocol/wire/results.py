@@ -250,3 +250,9 @@ def decode_flush_summary(value: Any) -> dict[str, Any]:
     if type(value) is not dict:
         raise _bad("flush_store result", "a map", value)
     return value
+
+
+def decode_verify_summary(value: Any) -> dict[str, Any]:
+    if type(value) is not dict or type(value.get("corrupted")) not in (list, tuple):
+        raise _bad("verify result", "a map with a list of corrupted tensors", value)
+    return value
