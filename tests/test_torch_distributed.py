@@ -11,7 +11,8 @@ may differ between them is only the order in which the per-row gradients are add
   runs must give the same losses bit for bit (any fault in the sum or in the averaging, which
   the trainer's large eps makes visible to Adam, breaks that).
 - 2 nodes of 2 ranks add (a + b) + (c + d) (each node's sum, then gloo's sum of the two),
-  where one process with 4 micro-batches adds ((a + b) + c) + d: the association differs, so
+  where one process with 2 micro-batches of 2 rows adds (a + b) + (c + d) with a and b summed
+  inside one micro-batch's matrix products, in another order: the association differs, so
   each gradient element may differ in its last bits (relative 2^-23 of the sum of the terms'
   magnitudes). Adam turns a gradient into a step of at most lr per element (lr 1e-2 here,
   decaying), so after k steps each parameter differs from the other run's by at most 2 k lr
@@ -142,10 +143,10 @@ def test_two_ranks_on_one_daemon_hold_the_cpu_tier_bytes_of_one_process(runs: Ru
 
 def test_two_nodes_of_two_ranks_give_the_losses_of_one_process_within_rounding(
         runs: Runs) -> None:
-    alone, nodes = runs.alone(micro_batches=1), runs.ranks_on(num_nodes=2)
-    for step, (slices, (whole,)) in enumerate(zip(nodes["slice_losses"], alone["slice_losses"])):
-        mean = sum(slices) / len(slices)  # the slices are equal in size: the global batch's
-        assert mean == pytest.approx(whole, rel=1e-5), f"step {step}"
+    alone, nodes = runs.alone(micro_batches=2), runs.ranks_on(num_nodes=2)
+    for step, (slices, halves) in enumerate(zip(nodes["slice_losses"], alone["slice_losses"])):
+        # The slices are equal in size: their mean is the global batch's loss.
+        assert sum(slices) / 4 == pytest.approx(sum(halves) / 2, rel=1e-5), f"step {step}"
     assert nodes["grad_norms"] == pytest.approx(alone["grad_norms"], rel=1e-5)
 
 
