@@ -48,7 +48,7 @@ log = logging.getLogger("infinityd")
 class Daemon:
     """infinityd's parts and services, all on one loop thread."""
 
-    def __init__(self, config: InfinityConfig, layout: RuntimeLayout) -> None:
+    def __init__(self, config: InfinityConfig, layout: RuntimeLayout, *, secret: bytes) -> None:
         self.config = config
         self.layout = layout
         self.loop = EventLoop()
@@ -106,16 +106,18 @@ class Daemon:
             config, layout, self.loop, self.arena, sessions=self.sessions,
             client_gone=(self.steps.client_gone, self.stream_service.client_gone,
                          self.data.client_gone, self.optimizer.client_gone),
-            may_write=self.namespaces.may_map_writable)
+            may_write=self.namespaces.may_map_writable, secret=secret)
         self.admin = AdminService(config, layout, arena=self.arena, catalog=self.catalog,
                                   tiers=self.tiers, scheduler=self.scheduler,
                                   sessions=self.sessions, fds=self.session_service.fds,
                                   streams=self.streams, counters=self.counters, stop=self.stop,
-                                  optimizer_stats=self.optimizer.stats)
+                                  optimizer_stats=self.optimizer.stats,
+                                  hidden_from=self.namespaces.hidden_from)
 
         # --- the dispatcher: every op to its service's handler ---
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,
-                                     release=self.data.release_ids)
+                                     release=self.data.release_ids,
+                                     guard=self.namespaces.check_request)
         for service in (self.session_service, self.data, self.stream_service, self.steps,
                         self.namespace_service, self.optimizer, self.admin):
             self.dispatcher.register(service.routes())

@@ -1,4 +1,4 @@
-"""Namespace records: the `namespace` request (create, info, seal) on `infinity.daemon.namespaces`.
+"""Namespace records: the `namespace` request (create, info, seal, grant) on `infinity.daemon.namespaces`.
 
 The records themselves (mode, owner, quota) and the checks every write goes through live in
 `infinity.daemon.namespaces.Namespaces`, which the data and stream services ask; this service
@@ -31,9 +31,12 @@ class NamespaceService:
         if message.action == "create":
             info = self.namespaces.create(
                 session, message.namespace, mode=message.mode, quota_bytes=message.quota_bytes,
-                has_tensors=message.namespace in self.catalog.namespace_counters)
+                has_tensors=message.namespace in self.catalog.namespace_counters,
+                token=message.token)
         elif message.action == "seal":
             info = self.namespaces.seal(session, message.namespace)
+        elif message.action == "grant":
+            info = self.namespaces.grant(session, message.namespace, message.token)
         else:
             info = self.namespaces.info(message.namespace)
         return [info.to_wire()]
