@@ -195,6 +195,40 @@ def test_another_namespace_without_its_grant_is_neither_seen_nor_touched(
         assert view.tolist() == list(range(8))
 
 
+def test_a_private_namespace_stays_private_across_a_restart_of_the_daemon() -> None:
+    root = short_tmp_root()
+    nvme = os.path.join(root, "nvme")
+    os.mkdir(nvme)
+    try:
+        first = start_daemon_process(root, **{"nvme.dirs": [nvme]})
+        try:
+            with first.connect("job-a") as client:
+                client.create_namespace("job-a", token=TOKEN)
+                client.put("w", torch.arange(8.0), namespace="job-a", durable=True)
+        finally:
+            first.stop()
+        assert _mode(os.path.join(nvme, "infinity-namespaces.json")) == 0o600
+        assert TOKEN not in open(os.path.join(nvme, "infinity-namespaces.json")).read()
+        second = start_daemon_process(root, **{"nvme.dirs": [nvme]})
+        try:
+            with second.connect("job-b") as other:
+                with pytest.raises(NamespaceAccessError):
+                    other.get("w", namespace="job-a")
+                info = other.grant_namespace("job-a", TOKEN)
+                assert info.private and info.owner_client == 0 and info.created
+                with other.get("w", namespace="job-a") as view:
+                    assert view.tolist() == list(range(8))
+        finally:
+            second.stop()
+        # A damaged file would open those namespaces to everyone: the daemon refuses to start.
+        with open(os.path.join(nvme, "infinity-namespaces.json"), "w") as f:
+            f.write("{not json")
+        with pytest.raises(AssertionError, match="infinity-namespaces.json cannot be read"):
+            start_daemon_process(root, **{"nvme.dirs": [nvme]})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_multi_request_naming_an_ungranted_namespace_is_refused_part_by_part(
         daemon: Any, job_a: Any, raw: Raw) -> None:
     assert raw.hello(RuntimeLayout(daemon.runtime_dir).read_secret()).failure is None

@@ -34,7 +34,10 @@ into it:
   user, which may read the daemon's memory anyway (other users are kept out by
   the runtime folder, the sockets and the secret: see `lifecycle`).
 
-Records live as long as the daemon: they are not kept in the store's index, so
+Private records (those with a token) are kept, with an NVMe tier, beside the store's index
+(`namespace_file`), so a restored tensor's namespace is private again after a restart; a
+create or seal of one is answered once it is saved. The other records live as long as the
+daemon: they are not kept in the store's index, so
 after a restart a restored namespace is read-write again until created anew.
 Loop thread only.
 """
@@ -44,9 +47,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
+from infinity.daemon import namespace_file
 from infinity.daemon.arena import CpuArena
 from infinity.daemon.catalog import NamespaceCounters, Version
 from infinity.daemon.sessions import Session, shortened
@@ -102,7 +107,11 @@ class Namespaces:
     """The namespace records and the write checks the request handlers call."""
 
     def __init__(self, usage: NamespaceUsage, arena: CpuArena, *,
-                 session_alive: Callable[[int], bool]) -> None:
+                 session_alive: Callable[[int], bool], records_path: str | None = None,
+                 run_in_worker: Callable[[Callable[[], None], Callable[[Future[None]], None]],
+                                         None] | None = None) -> None:
+        """`records_path` (with an NVMe tier): where the private records are kept across
+        restarts (`namespace_file`), written through `run_in_worker`."""
         self._usage = usage
         self._arena = arena
         self._session_alive = session_alive
@@ -110,6 +119,17 @@ class Namespaces:
         self._read_only: dict[str, NamespaceRecord] = {}  # the read-only ones, checked on gets
         self._quotas: dict[str, NamespaceRecord] = {}  # the ones with a quota
         self._private: dict[str, NamespaceRecord] = {}  # the ones with a grant token
+        self._records_path = records_path
+        self._run_in_worker = run_in_worker
+        self._saving = False
+        self._save_waiters: list[Callable[[BaseException | None], None]] = []
+        if records_path is not None:
+            for saved in namespace_file.load(records_path):
+                # Its owner's session is gone with the daemon that served it: as when an owner
+                # leaves, nobody writes a read-only one; the rest is as created.
+                self._install(NamespaceRecord(
+                    saved["name"], saved["mode"], 0, "", 0, saved["quota_bytes"],
+                    saved["sealed"], bytes.fromhex(saved["token_sha256"]), saved["owner_uid"]))
 
     # --- the namespace op ------------------------------------------------------------
 
@@ -129,17 +149,58 @@ class Namespaces:
         record = NamespaceRecord(namespace, mode, session.id, session.name, session.pid,
                                  quota_bytes, token_digest=_digest(token) if token else b"",
                                  owner_uid=-1 if session.peer_uid is None else session.peer_uid)
-        self._records[namespace] = record
+        self._install(record)
         if token:
+            session.granted.add(namespace)
+        return self.info(namespace)
+
+    def _install(self, record: NamespaceRecord) -> None:
+        namespace = record.name
+        self._records[namespace] = record
+        if record.token_digest:
             self._private[namespace] = record
             self._hidden.add(namespace)
-            session.granted.add(namespace)
-        if mode == READ_ONLY:
+        if record.mode == READ_ONLY:
             self._read_only[namespace] = record
             self._arena.add_namespace_class(namespace)  # its tensors get segments of their own
-        if quota_bytes:
+        if record.quota_bytes:
             self._quotas[namespace] = record
-        return self.info(namespace)
+
+    # --- private records across restarts -----------------------------------------------
+
+    def kept(self, namespace: str) -> bool:
+        """Whether `namespace`'s record is saved for the next start (a private one, with an
+        NVMe tier): its create and seal are answered once `save` has written them."""
+        return self._records_path is not None and namespace in self._private
+
+    def save(self, done: Callable[[BaseException | None], None]) -> None:
+        """Write every private record on a worker thread, then `done(error or None)` on the
+        loop. One write at a time, each of everything: a later one never lands first."""
+        self._save_waiters.append(done)
+        if not self._saving:
+            self._start_save()
+
+    def _start_save(self) -> None:
+        path, run = self._records_path, self._run_in_worker
+        assert path is not None and run is not None
+        self._saving = True
+        waiters, self._save_waiters = self._save_waiters, []
+        records = [{"name": r.name, "mode": r.mode, "quota_bytes": r.quota_bytes,
+                    "sealed": r.sealed, "owner_uid": r.owner_uid,
+                    "token_sha256": r.token_digest.hex()} for r in self._private.values()]
+
+        def written(future: Future[None]) -> None:
+            self._saving = False
+            error = future.exception()
+            if error is not None:
+                log.error("the private namespaces' records could not be saved to %s: %s", path,
+                          error)
+            for waiter in waiters:
+                waiter(error)
+            if self._save_waiters:
+                self._start_save()
+
+        run(lambda: namespace_file.save(path, records), written)
 
     def seal(self, session: Session, namespace: str) -> NamespaceInfo:
         record = self._read_only.get(namespace)

@@ -21,6 +21,7 @@ from infinity.config import InfinityConfig
 from infinity.daemon.arena import CpuArena
 from infinity.daemon.catalog import Catalog, version_clock
 from infinity.daemon.dispatch import Dispatcher
+from infinity.daemon import namespace_file
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.scheduler import Scheduler
@@ -81,7 +82,9 @@ class Daemon:
         # The records register a read-only namespace's segment class with the arena, which the
         # catalog and the loads ask.
         self.namespaces = Namespaces(self.catalog, self.arena,
-                                     session_alive=self.sessions.by_id.__contains__)
+                                     session_alive=self.sessions.by_id.__contains__,
+                                     records_path=namespace_file.records_path(config.nvme.dirs),
+                                     run_in_worker=self.loop.run_in_worker)
         self.traces = TraceKeeper(self.scheduler, self.tiers)
         self.traces.restore()
         self.planner = PrefetchPlanner(config.scheduler, self.loop, self.scheduler, self.catalog,

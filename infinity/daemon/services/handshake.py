@@ -47,7 +47,6 @@ class SessionService:
         self.sessions = sessions
         self._client_gone = tuple(client_gone)
         self._secret_path = layout.secret_path
-        self.refused_hellos = 0
         self.fds = FdServer(layout.fds_path, loop, arena, find_session=self.sessions.by_token,
                             on_bound=self._on_fd_bound, on_closed=self._on_fd_closed,
                             may_write=may_write)
@@ -87,7 +86,6 @@ class SessionService:
     def hello(self, identity: bytes, session: Session | None, request_id: int,
               hello: wire.Hello) -> list[Any]:
         if not hmac.compare_digest(hello.secret, self._secret):
-            self.refused_hellos += 1
             # The name and pid are the client's claims, logged shortened, as said.
             log.warning("refused a hello without the daemon's secret (%s), name %r, pid %d",
                         "none presented" if not hello.secret else "a wrong one",
