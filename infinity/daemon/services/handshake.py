@@ -1,8 +1,8 @@
 """Sessions as requests see them: hello, attach, detach, heartbeat, bye, and a session's end.
 
-A session opens with `hello` on one socket, which must carry the daemon's secret
-(a hello without it is refused with AuthenticationError, and logged); `attach` adds a client thread's
-socket, `detach` takes one out. A session ends on `bye`, when the client
+A session opens with `hello` on one socket, which must carry the daemon's
+secret (a hello without it is refused with AuthenticationError, and logged);
+`attach` adds a client thread's socket, `detach` takes one out. A session ends on `bye`, when the client
 process exits (its pidfd becomes readable, or its fd channel closes), or after
 `daemon.client_timeout_s` of silence (the sweep). Its end runs the other
 services' `client_gone` hooks, in the order given, so each gives back what the

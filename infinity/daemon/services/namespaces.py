@@ -1,4 +1,5 @@
-"""Namespace records: the `namespace` request (create, info, seal, grant) on `infinity.daemon.namespaces`.
+"""Namespace records: the `namespace` request (create, info, seal, grant) on
+`infinity.daemon.namespaces`.
 
 The records themselves (mode, owner, quota) and the checks every write goes through live in
 `infinity.daemon.namespaces.Namespaces`, which the data and stream services ask; this service
