@@ -132,6 +132,14 @@ class LimitExceededError(StoreError):
     code = "limit_exceeded"
 
 
+class NamespaceAccessError(StoreError):
+    """A request names a private namespace (created with a grant token) that this client was
+    not granted: it presents the namespace's token first (`Client.grant_namespace`, or
+    `connect(namespace_tokens=...)`), or a wrong token was presented."""
+
+    code = "namespace_access"
+
+
 class InvalidRequestError(StoreError):
     """A request's arguments are of the right form but not acceptable (bad dtype, shape, name)."""
 
@@ -176,6 +184,14 @@ class VersionMismatchError(ProtocolError):
     """Client and daemon speak different protocol versions."""
 
     code = "version"
+
+
+class AuthenticationError(InfinityError):
+    """A hello did not carry the daemon's secret (the `infinityd.secret` file of its runtime
+    folder, readable only by the daemon's user): the client runs as another user, or reads
+    another daemon's folder."""
+
+    code = "authentication"
 
 
 class DaemonUnavailableError(InfinityError):

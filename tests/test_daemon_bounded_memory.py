@@ -87,8 +87,10 @@ def test_a_stream_past_daemon_max_streams_per_client_is_refused_and_others_go_on
         return wire.decode_reply(sock.recv())
 
     try:
-        call(1, wire.Hello(wire.PROTOCOL_VERSION, "streamer", os.getpid(),
-                           psutil.Process().create_time()))
+        secret = RuntimeLayout(daemon.runtime_dir).read_secret()
+        welcome = call(1, wire.Hello(wire.PROTOCOL_VERSION, "streamer", os.getpid(),
+                                     psutil.Process().create_time(), secret))
+        assert welcome.failure is None
         for i in range(4):  # held open: never closed
             opened = call(10 + i, wire.StreamOpen("ns", f"w{i}", "write", "float32", (7,)))
             assert opened.failure is None and type(opened.results[0]) is not wire.ItemError

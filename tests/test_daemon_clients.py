@@ -186,7 +186,9 @@ def test_silent_client_is_dropped_after_client_timeout(
     raw.connect(RuntimeLayout(daemon.runtime_dir).control_endpoint)
     try:
         # A start time that matches no process: the daemon cannot watch it and must rely on silence.
-        raw.send(wire.encode_request(1, wire.Hello(wire.PROTOCOL_VERSION, "silent", os.getpid(), 1.0)))
+        raw.send(wire.encode_request(1, wire.Hello(
+            wire.PROTOCOL_VERSION, "silent", os.getpid(), 1.0,
+            RuntimeLayout(daemon.runtime_dir).read_secret())))
         wire.decode_reply(raw.recv())
         raw.send(wire.encode_request(2, wire.Get((wire.GetItem("default", "s"),))))
         wire.decode_reply(raw.recv())
@@ -299,7 +301,8 @@ def test_raw_hello_reports_the_daemon_liveness_settings(daemon: Any) -> None:
     raw.connect(RuntimeLayout(daemon.runtime_dir).control_endpoint)
     try:
         raw.send(msgpack.packb(["hello", 1, [wire.PROTOCOL_VERSION, "r", os.getpid(),
-                                             psutil.Process().create_time()]]))
+                                             psutil.Process().create_time(),
+                                             RuntimeLayout(daemon.runtime_dir).read_secret()]]))
         welcome = wire.Welcome.from_wire(wire.decode_reply(raw.recv()).results[0])
         assert welcome.client_timeout_s == daemon.config.daemon.client_timeout_s
         assert welcome.daemon_pid == daemon.process.pid

@@ -30,8 +30,9 @@ class Session:
         self.context = zmq.Context()
         self.channel = Channel(self.context, RuntimeLayout(daemon.runtime_dir).control_endpoint,
                                timeout_s=10.0, daemon_gone=lambda: None)
-        hello = self.channel.call(1, wire.Hello(wire.PROTOCOL_VERSION, "multi", os.getpid(),
-                                                psutil.Process().create_time()))
+        hello = self.channel.call(1, wire.Hello(
+            wire.PROTOCOL_VERSION, "multi", os.getpid(), psutil.Process().create_time(),
+            RuntimeLayout(daemon.runtime_dir).read_secret()))
         assert hello.failure is None
         self._ids = iter(range(2, 1 << 62))
 

@@ -100,11 +100,14 @@ def _run_child(target: Callable[..., None], *args: Any, timeout_s: float = 60) -
 # --- tests ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body", [
-    ["drop", "ns", "read-write", 0],  # no such action
-    ["create", "ns", "write-only", 0],  # no such mode
-    ["create", "ns", "read-only", -1],  # a quota is not negative
-    ["create", "", "read-only", 0],  # a namespace has a name
-    ["info", "ns"],  # four fields
+    ["drop", "ns", "read-write", 0, ""],  # no such action
+    ["create", "ns", "write-only", 0, ""],  # no such mode
+    ["create", "ns", "read-only", -1, ""],  # a quota is not negative
+    ["create", "", "read-only", 0, ""],  # a namespace has a name
+    ["create", "ns", "read-only", 0, "short"],  # a grant token has 16 characters or more
+    ["grant", "ns", "read-write", 0, ""],  # a grant presents a token
+    ["info", "ns"],  # five fields
+    ["info", "ns", "read-write", 0],  # five fields since protocol version 9
 ])
 def test_a_malformed_namespace_request_is_a_protocol_error(body: list[Any]) -> None:
     with pytest.raises(ProtocolError):
@@ -113,7 +116,7 @@ def test_a_malformed_namespace_request_is_a_protocol_error(body: list[Any]) -> N
 
 def test_a_namespace_record_round_trips_through_its_schema() -> None:
     info = wire.NamespaceInfo("model", "read-only", True, 3, "importer", 4242, True, 1 << 30,
-                              4096, False)
+                              4096, False, True, 1000)
     assert wire.NamespaceInfo.from_wire(info.to_wire()) == info
 
 

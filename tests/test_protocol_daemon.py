@@ -27,6 +27,7 @@ class RawSocket:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, 5000)
         self.sock.connect(RuntimeLayout(daemon.runtime_dir).control_endpoint)
+        self.secret = RuntimeLayout(daemon.runtime_dir).read_secret()
 
     def send(self, data: bytes | list[bytes]) -> None:
         if isinstance(data, list):
@@ -43,7 +44,7 @@ class RawSocket:
 
     def hello(self) -> wire.Welcome:
         reply = self.call(1, wire.Hello(wire.PROTOCOL_VERSION, "raw", os.getpid(),
-                                        psutil.Process().create_time()))
+                                        psutil.Process().create_time(), self.secret))
         assert reply.failure is None
         return wire.Welcome.from_wire(reply.results[0])
 
@@ -216,7 +217,8 @@ def test_a_storm_of_random_and_mutated_messages_never_stops_the_daemon(
 
 
 def raw_hello(raw: RawSocket, *, pid: int, start_time_s: float, name: str = "raw") -> wire.Reply:
-    raw.send(msgpack.packb(["hello", 1, [wire.PROTOCOL_VERSION, name, pid, start_time_s]]))
+    raw.send(msgpack.packb(["hello", 1, [wire.PROTOCOL_VERSION, name, pid, start_time_s,
+                                         raw.secret]]))
     return raw.recv()
 
 

@@ -11,7 +11,7 @@ from infinity.errors import (InvalidRequestError, NotFoundError, ProtocolError,
 from infinity.protocol import dtypes, wire
 
 REQUESTS: list[wire.Request] = [
-    wire.Hello(wire.PROTOCOL_VERSION, "trainer", 1234, 1700000000.25),
+    wire.Hello(wire.PROTOCOL_VERSION, "trainer", 1234, 1700000000.25, bytes(range(32))),
     wire.Attach(b"\x01" * 16),
     wire.Detach(),
     wire.Heartbeat(),
@@ -40,6 +40,8 @@ REQUESTS: list[wire.Request] = [
     wire.GetAhead((wire.GetItem("ns", "next"),)),
     wire.Upcoming("ns", 16, 1 << 30),
     wire.NamespaceOp("create", "model", "read-only", 1 << 30),
+    wire.NamespaceOp("create", "job", "read-write", 0, "t" * 32),
+    wire.NamespaceOp("grant", "job", token="t" * 32),
     wire.AdamStep("model", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0),),
                   (wire.AdamItem("w", "w.grad", "w.master", "w.exp_avg", "w.exp_avg_sq", 0, 3),)),
     wire.Multi.of([(78, wire.Get((wire.GetItem("ns", "w"),))),
@@ -117,7 +119,9 @@ def test_trailing_bytes_after_a_message_are_a_protocol_error() -> None:
     ["stats", 1, [1]],
     ["step", 1, ["ns", "middle"]],               # a step begins or ends
     ["step", 1, ["", "begin"]],                  # the namespace must not be empty
-    ["hello", 1, [wire.PROTOCOL_VERSION, "x", 0, 1.0]],  # pid must be positive
+    ["hello", 1, [wire.PROTOCOL_VERSION, "x", 0, 1.0, b""]],  # pid must be positive
+    ["hello", 1, [wire.PROTOCOL_VERSION, "x", 1, 1.0, b"s" * 65]],  # a secret is short
+    ["hello", 1, [wire.PROTOCOL_VERSION, "x", 1, 1.0]],  # version 9 carries a secret
 ])
 def test_wrong_structure_is_a_protocol_error(value: list[object]) -> None:
     with pytest.raises(ProtocolError):

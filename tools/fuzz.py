@@ -4,7 +4,8 @@
                                    > fuzz.json
 
 A private daemon (CPU tier only) gets `--frames` frames over `--sockets` DEALER sockets (half
-of them said hello first, so frames reach the handlers as well as the handshake's checks), each
+of them said hello first, with the daemon's secret, so frames reach the handlers as well as the
+handshake's checks), each
 frame one of:
 
 - `garbage`: random bytes of random length (0 to 4 KiB), or several such frames at once;
@@ -127,10 +128,12 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(frame)
 
 
-def hello(sock: zmq.Socket[bytes]) -> None:
+def hello(sock: zmq.Socket[bytes], secret: bytes) -> None:
     sock.send(wire.encode_request(1, wire.Hello(wire.PROTOCOL_VERSION, "fuzz", os.getpid(),
-                                                psutil.Process().create_time())))
-    sock.recv()
+                                                psutil.Process().create_time(), secret)))
+    reply = wire.decode_reply(sock.recv())
+    if reply.failure is not None:
+        raise SystemExit(f"the fuzzer's hello was refused: {reply.failure.message}")
 
 
 def drain(sock: zmq.Socket[bytes]) -> int:
@@ -165,14 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         client = infinity.connect(config=config, name="reference")
         references = {f"ref-{i}": seeded_tensor(i) for i in range(args.references)}
         client.put_many(references, namespace=REFERENCE_NAMESPACE)
-        endpoint = RuntimeLayout(config.daemon.runtime_dir).control_endpoint
+        layout = RuntimeLayout(config.daemon.runtime_dir)
+        endpoint, secret = layout.control_endpoint, layout.read_secret()
         for index in range(args.sockets):
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, 5000)
             sock.connect(endpoint)
             if index % 2 == 0:
-                hello(sock)
+                hello(sock, secret)
             sockets.append(sock)
         kinds = {"garbage": 0, "mutated": 0, "confused": 0, "valid": 0}
         replies = 0

@@ -10,9 +10,9 @@ process of its own (`--worker`) working in its namespace on up to `--names` name
 value of a seeded random dtype and odd shape), get (compared bit for bit with what it last
 put), delete, and now and then `flush_store` (everything durable). It keeps a ledger file of
 what it believes the store holds: a line before each put or delete (the intent) and one after
-the daemon acknowledged it. Every `--kill-every-s` on average a random client is killed with
-SIGKILL and a new one started on its ledger: it first checks every name against the ledger (the
-acknowledged value, or where the kill came between intent and acknowledgement either the old or
+the daemon acknowledged it. Every `--kill-every-s` on average a random client that is past its
+start is killed with SIGKILL and a new one started on its ledger: it first checks every name
+against the ledger (the acknowledged value, or where the kill came between intent and acknowledgement either the old or
 the new one; a name acknowledged deleted must be gone) and then goes on working.
 
 Every second the daemon's RSS, anonymous memory, open files and CPU-tier bytes in use are
@@ -240,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                         failed_workers += 1
                         collect(index)
                         start(index)
-                if time.monotonic() >= next_kill:
-                    index = rng.randrange(args.clients)
+                working = [i for i in range(args.clients) if os.path.exists(
+                    os.path.join(folder, f"report-{i}-{starts[i]}"))]  # past its start check
+                if time.monotonic() >= next_kill and working:
+                    index = rng.choice(working)
                     workers[index].send_signal(signal.SIGKILL)
                     workers[index].wait()
                     collect(index)

@@ -39,7 +39,7 @@ def _request(config: InfinityConfig, message: wire.Request, *, name: str) -> Any
                       daemon_gone=lambda: None if layout.daemon_running() else "its lock is free")
     try:
         hello = channel.call(1, wire.Hello(wire.PROTOCOL_VERSION, name, os.getpid(),
-                                           psutil.Process().create_time()))
+                                           psutil.Process().create_time(), layout.read_secret()))
         if hello.failure is not None:
             raise hello.failure.exception()
         reply = channel.call(2, message)

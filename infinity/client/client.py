@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Mapping
 
 from infinity.client.leases import Lease, LeaseCalls, PendingResident, ResidentRequester
 from infinity.client.namespaces import NamespaceCalls
@@ -67,8 +68,11 @@ def _default_name() -> str:
 
 
 def connect(*, config: InfinityConfig | None = None, start: bool = False,
-            name: str | None = None) -> Client:
-    """Attach to the infinityd of these settings' runtime folder (starting one if `start`)."""
+            name: str | None = None, namespace_tokens: Mapping[str, str] | None = None
+            ) -> Client:
+    """Attach to the infinityd of these settings' runtime folder (starting one if `start`).
+    `namespace_tokens`: {namespace: grant token} of private namespaces this client uses, each
+    presented once connected (`Client.grant_namespace`)."""
     config = config if config is not None else load_config()
     layout = RuntimeLayout(config.daemon.runtime_dir)
     layout.check()
@@ -80,7 +84,14 @@ def connect(*, config: InfinityConfig | None = None, start: bool = False,
         from infinity.client.launch import start_daemon
 
         start_daemon(config)
-    return Client(config, layout, name=name or _default_name())
+    client = Client(config, layout, name=name or _default_name())
+    try:
+        for namespace, token in (namespace_tokens or {}).items():
+            client.grant_namespace(namespace, token)
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 __all__ = ["Client", "Lease", "Names", "PendingResident", "ResidentRequester", "StepResult",

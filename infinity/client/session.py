@@ -98,7 +98,8 @@ class Session:
         try:
             channel = self._new_channel()
             reply = channel.call(next(self._request_ids), wire.Hello(
-                wire.PROTOCOL_VERSION, name, os.getpid(), psutil.Process().create_time()))
+                wire.PROTOCOL_VERSION, name, os.getpid(), psutil.Process().create_time(),
+                layout.read_secret()))
             welcome = wire.Welcome.from_wire(self._results(reply)[0])
             self._local.channel = channel
             self.client_id = welcome.client_id

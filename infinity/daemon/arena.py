@@ -126,10 +126,16 @@ def _shared_memory_fd(name: str) -> int:
     """A memfd; named shared memory (created and unlinked at once) where memfd is unavailable."""
     if hasattr(os, "memfd_create"):
         try:
-            return os.memfd_create(name, os.MFD_CLOEXEC)
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
         except OSError as exc:
             if exc.errno != errno.ENOSYS:
                 raise
+        else:
+            # A memfd is born 0777 whatever the umask; /proc/<pid>/fd already keeps other users
+            # out, and 0600 keeps them out should that ever be reachable (a core dumper, a
+            # debugger granted access): the daemon's user alone may open it again.
+            os.fchmod(fd, 0o600)
+            return fd
     path = f"/dev/shm/{name}-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     os.unlink(path)

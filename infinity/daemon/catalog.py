@@ -208,6 +208,8 @@ class Catalog:
         self._stamps = clock if clock is not None else version_clock()
         # Counters, kept as work happens.
         self.namespace_counters: dict[str, NamespaceCounters] = {}
+        # Private namespaces (see `namespaces`): a not-found error's hint never names them.
+        self.hidden_namespaces: set[str] = set()
         self.num_tensors = 0
         self.tensor_bytes = 0  # current versions
         self.num_exclusive = 0
@@ -237,7 +239,7 @@ class Catalog:
         for looked, (namespace, names) in enumerate(self._namespaces.items()):
             if looked == HINT_MAX_NAMESPACES_LOOKED or len(elsewhere) > HINT_MAX_NAMESPACES_NAMED:
                 break
-            if name in names:
+            if name in names and namespace not in self.hidden_namespaces:
                 elsewhere.append(namespace)
         if not elsewhere:
             return "; put or reserve+commit it first"

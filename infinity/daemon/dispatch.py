@@ -45,6 +45,7 @@ _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 Decoder = Callable[[Sequence[Any]], Any]  # a schema's `from_body`
 ReleaseIds = Callable[[Session, Sequence[int]], None]
+Guard = Callable[[Session, Any], None]  # raises an InfinityError for a request refused
 
 
 class MultiParts(list):  # type: ignore[type-arg]
@@ -55,8 +56,11 @@ class Dispatcher:
     """The ROUTER socket, the op registry, and the sending of every reply."""
 
     def __init__(self, loop: EventLoop, sessions: Sessions, counters: DaemonCounters, *,
-                 release: ReleaseIds) -> None:
+                 release: ReleaseIds, guard: Guard = lambda session, message: None) -> None:
         self.loop = loop
+        # Refuses a request the session may not make (a private namespace it was not granted),
+        # before its handler runs; every request of a multi is checked on its own.
+        self._guard = guard
         self.sessions = sessions
         self.counters = counters
         self._release = release  # serves the releases that ride along a request
@@ -165,7 +169,9 @@ class Dispatcher:
             route = self._routes.get(op)
             if route is not None:
                 decode, handle = route
-                result = handle(session, request_id, decode(body))
+                message = decode(body)
+                self._guard(session, message)
+                result = handle(session, request_id, message)
             else:
                 decode, socket_handle = self._socket_routes[op]
                 result = socket_handle(identity, session, request_id, decode(body))
@@ -235,6 +241,7 @@ class Dispatcher:
                 if not session.alive:
                     raise ProtocolError(f"the session ended earlier in this multi request, so "
                                         f"its {op} was not served")
+                self._guard(session, sub)
                 result = self._routes[op][1](session, sub_id, sub)
             except InfinityError as exc:
                 if isinstance(exc, ProtocolError):

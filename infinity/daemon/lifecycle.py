@@ -1,4 +1,9 @@
-"""infinityd's life outside the loop: the runtime folder, the lock, the pid file, start and stop.
+"""infinityd's life outside the loop: the runtime folder, the lock, the pid file, the secret,
+start and stop.
+
+Everything the daemon leaves in its runtime folder is private to its user:
+the folder 0700, every file in it 0600 (the secret, the lock files, the pid
+file, the log), the sockets 0600 (`server`, `fdserver`).
 
 One daemon per runtime folder: whoever holds `infinityd.lock` (fcntl.flock) is
 the daemon; the pid file is only informative. `start` launches `infinityd run`
@@ -12,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import resource
+import secrets
 import select
 import signal
 import stat
@@ -23,7 +30,8 @@ import time
 from typing import Iterator, Sequence
 
 from infinity.errors import ConfigError, DaemonAlreadyRunningError, DaemonUnavailableError
-from infinity.protocol.paths import RuntimeLayout, child_environment
+from infinity.protocol.paths import (SECRET_BYTES, SECRET_FILE_MAX_BYTES, RuntimeLayout,
+                                     child_environment)
 
 READY_MESSAGE = b"ready\n"
 # How long a daemon retries the lock: a client probing it holds it for microseconds.
@@ -73,6 +81,55 @@ def prepare_runtime_dir(layout: RuntimeLayout) -> None:
         os.chmod(layout.root, 0o700)  # sockets inside must not be reachable by other users
 
 
+def daemon_secret(layout: RuntimeLayout) -> bytes:
+    """The secret every hello must carry: the one in `infinityd.secret`, made at the first start
+    and kept across restarts (a client may have read it already); a new one when the file is
+    missing, not this user's, open to others, or not a secret. Written 0600 with O_EXCL to a
+    temporary name and renamed, so nobody ever reads a partial or a more open file."""
+    path = layout.secret_path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing, or a link (O_NOFOLLOW): made anew
+        fd = -1
+    if fd >= 0:
+        try:
+            info = os.fstat(fd)
+            text = os.read(fd, SECRET_FILE_MAX_BYTES)
+        finally:
+            os.close(fd)
+        private = (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+                   and stat.S_IMODE(info.st_mode) & 0o077 == 0)
+        try:
+            secret = bytes.fromhex(text.decode("ascii").strip())
+        except ValueError:
+            secret = b""
+        if private and len(secret) == SECRET_BYTES:
+            return secret
+        # Open to others, someone else's, or damaged: whoever could read it may know it.
+        logging.getLogger("infinityd").warning(
+            "%s was not a private secret of this user (mode %o, uid %d); a new one replaces it",
+            path, stat.S_IMODE(info.st_mode), info.st_uid)
+    secret = secrets.token_bytes(SECRET_BYTES)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, secret.hex().encode("ascii") + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return secret
+
+
+def _private_file(path: str, flags: int) -> int:
+    """An fd of `path` opened with `flags`, created 0600 (and made 0600 if it was more open):
+    the runtime folder is private already, this holds should someone loosen the folder."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
 class RuntimeLock:
     """The flock that makes a daemon the only one of its runtime folder."""
 
@@ -81,7 +138,7 @@ class RuntimeLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.layout.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _private_file(self.layout.lock_path, os.O_RDWR)
         try:
             locked = _flock_within(fd, LOCK_RETRY_S)
         except BaseException:
@@ -96,7 +153,7 @@ class RuntimeLock:
                 f"daemon.runtime_dir")
         self._fd = fd
         tmp = self.layout.pid_path + ".tmp"
-        with open(tmp, "w") as f:
+        with os.fdopen(_private_file(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
             f.write(f"{os.getpid()}\n")
         os.replace(tmp, self.layout.pid_path)
 
@@ -116,7 +173,7 @@ def start_lock(layout: RuntimeLayout, *, timeout_s: float) -> Iterator[None]:
     """Held from the check for a running daemon until the one started serves, so that several
     `infinityd start` (several `connect(start=True)`) at once start one daemon, and the others
     find it serving."""
-    fd = os.open(layout.start_lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _private_file(layout.start_lock_path, os.O_RDWR)
     try:
         if not _flock_within(fd, timeout_s):
             raise DaemonUnavailableError(
@@ -163,7 +220,8 @@ def start_background(layout: RuntimeLayout, run_args: Sequence[str], *, timeout_
     prepare_runtime_dir(layout)
     read_end, write_end = os.pipe()
     try:
-        with open(layout.log_path, "ab") as log_file:
+        log_fd = _private_file(layout.log_path, os.O_WRONLY | os.O_APPEND)
+        with os.fdopen(log_fd, "ab") as log_file:
             start_bytes = log_file.tell()  # the runs before this one's lines stay out of errors
             proc = subprocess.Popen(
                 [sys.executable, "-m", "infinity.daemon.main", "run", "--ready-fd", str(write_end),

@@ -37,6 +37,10 @@ def _run(config: InfinityConfig, args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.daemon.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s infinityd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    # Whatever the daemon creates (runtime files, NVMe extent files, the index and its WAL,
+    # markers, folders) is its user's alone unless said otherwise: a 0022 umask from a shell
+    # would leave files that others may read.
+    os.umask(0o077)
     lifecycle.prepare_runtime_dir(layout)
     open_files = lifecycle.raise_open_file_limit()
     if open_files < lifecycle.OPEN_FILES_FEW:
@@ -48,7 +52,7 @@ def _run(config: InfinityConfig, args: argparse.Namespace) -> int:
     lock.acquire()
     daemon: Daemon | None = None
     try:
-        daemon = Daemon(config, layout)
+        daemon = Daemon(config, layout, secret=lifecycle.daemon_secret(layout))
         daemon.bind()
         # The loop allocates a few short-lived, acyclic objects per request: collect cycles
         # rarely, and never walk the long-lived startup objects again.

@@ -21,6 +21,7 @@ from infinity.config import InfinityConfig
 from infinity.daemon.arena import CpuArena
 from infinity.daemon.catalog import Catalog, version_clock
 from infinity.daemon.dispatch import Dispatcher
+from infinity.daemon import namespace_file
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.scheduler import Scheduler
@@ -49,7 +50,7 @@ log = logging.getLogger("infinityd")
 class Daemon:
     """infinityd's parts and services, all on one loop thread."""
 
-    def __init__(self, config: InfinityConfig, layout: RuntimeLayout) -> None:
+    def __init__(self, config: InfinityConfig, layout: RuntimeLayout, *, secret: bytes) -> None:
         self.config = config
         self.layout = layout
         self.loop = EventLoop()
@@ -82,7 +83,9 @@ class Daemon:
         # The records register a read-only namespace's segment class with the arena, which the
         # catalog and the loads ask.
         self.namespaces = Namespaces(self.catalog, self.arena,
-                                     session_alive=self.sessions.by_id.__contains__)
+                                     session_alive=self.sessions.by_id.__contains__,
+                                     records_path=namespace_file.records_path(config.nvme.dirs),
+                                     run_in_worker=self.loop.run_in_worker)
         self.traces = TraceKeeper(self.scheduler, self.tiers)
         self.traces.restore()
         self.planner = PrefetchPlanner(config.scheduler, self.loop, self.scheduler, self.catalog,
@@ -108,16 +111,18 @@ class Daemon:
             config, layout, self.loop, self.arena, sessions=self.sessions,
             client_gone=(self.steps.client_gone, self.stream_service.client_gone,
                          self.data.client_gone, self.optimizer.client_gone),
-            may_write=self.namespaces.may_map_writable)
+            may_write=self.namespaces.may_map_writable, secret=secret)
         self.admin = AdminService(config, layout, arena=self.arena, catalog=self.catalog,
                                   tiers=self.tiers, scheduler=self.scheduler,
                                   sessions=self.sessions, fds=self.session_service.fds,
                                   streams=self.streams, counters=self.counters, stop=self.stop,
-                                  optimizer_stats=self.optimizer.stats)
+                                  optimizer_stats=self.optimizer.stats,
+                                  hidden_from=self.namespaces.hidden_from)
 
         # --- the dispatcher: every op to its service's handler ---
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,
-                                     release=self.data.release_ids)
+                                     release=self.data.release_ids,
+                                     guard=self.namespaces.check_request)
         self.verifier = VerifyService(self.catalog, self.tiers.nvme, self.counters)
         for service in (self.session_service, self.data, self.stream_service, self.steps,
                         self.namespace_service, self.optimizer, self.verifier, self.admin):

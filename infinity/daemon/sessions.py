@@ -84,12 +84,22 @@ class Session:
     # The namespace of the step the client marked last: its accesses in every namespace
     # belong to that step's trace.
     step_namespace: str | None = None
+    # The client's uid as the kernel reported it on the fd channel (SO_PEERCRED); None until
+    # the channel binds (a one-off admin session never opens one).
+    peer_uid: int | None = None
+    # The private namespaces this session was granted (it created them or presented their
+    # token); see `namespaces.Namespaces.check_request`.
+    granted: set[str] = field(default_factory=set)
 
     def describe(self) -> str:
         """For the log: the client's name shortened (a client chooses it, up to the
         protocol's limit)."""
-        name = self.name if len(self.name) <= 64 else self.name[:61] + "..."
-        return f"client {self.id} ({name!r}, pid {self.pid})"
+        return f"client {self.id} ({shortened(self.name)!r}, pid {self.pid})"
+
+
+def shortened(text: str, limit: int = 64) -> str:
+    """A string a client chose (a name, up to the protocol's 64 KiB), cut for the log."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def open_pidfd(pid: int, start_time_s: float) -> int | None:

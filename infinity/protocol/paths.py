@@ -1,4 +1,4 @@
-"""The runtime folder's layout: where infinityd's sockets, lock and pid file live.
+"""The runtime folder's layout: where infinityd's sockets, lock, pid file and secret live.
 
 Client and daemon agree on these names through this module alone. The folder is
 `daemon.runtime_dir` (private to the user, 0700); a Unix socket path must fit
@@ -17,6 +17,9 @@ from infinity.errors import ConfigError
 
 # sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
+# The secret file holds SECRET_BYTES random bytes as hex and a newline; reading stops here.
+SECRET_BYTES = 32
+SECRET_FILE_MAX_BYTES = 4 * SECRET_BYTES
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,22 @@ class RuntimeLayout:
     @property
     def log_path(self) -> str:
         return os.path.join(self.root, "infinityd.log")
+
+    @property
+    def secret_path(self) -> str:
+        """The daemon's secret (hex, 0600): a hello must carry it (see `read_secret`)."""
+        return os.path.join(self.root, "infinityd.secret")
+
+    def read_secret(self) -> bytes:
+        """The daemon's secret as a client presents it in its hello; empty when this process
+        cannot read it (another user's daemon, or none started yet), which the daemon refuses
+        with an AuthenticationError that says why."""
+        try:
+            with open(self.secret_path, "rb") as f:
+                text = f.read(SECRET_FILE_MAX_BYTES)
+            return bytes.fromhex(text.decode("ascii").strip())
+        except (OSError, ValueError):
+            return b""
 
     @property
     def start_lock_path(self) -> str:

@@ -35,8 +35,10 @@ class AdminService:
                  catalog: Catalog, tiers: TierManager, scheduler: Scheduler | None,
                  sessions: Sessions, fds: FdServer, streams: StreamTable,
                  counters: DaemonCounters, stop: Callable[[], None],
-                 optimizer_stats: Callable[[], dict[str, Any]] = dict) -> None:
+                 optimizer_stats: Callable[[], dict[str, Any]] = dict,
+                 hidden_from: Callable[[Session], set[str]] = lambda session: set()) -> None:
         self.config = config
+        self.hidden_from = hidden_from  # the private namespaces a session was not granted
         self.layout = layout
         self.arena = arena
         self.catalog = catalog
@@ -54,7 +56,11 @@ class AdminService:
         return {wire.Stats: self.stats_request, wire.Shutdown: self.shutdown}
 
     def stats_request(self, session: Session, request_id: int, message: wire.Stats) -> list[Any]:
-        return [self.stats()]
+        stats = self.stats()
+        hidden = self.hidden_from(session)
+        if hidden:
+            _leave_out(stats, hidden)
+        return [stats]
 
     def shutdown(self, session: Session, request_id: int, message: wire.Shutdown) -> list[Any]:
         log.info("shutdown requested by %s", session.describe())
@@ -117,3 +123,19 @@ class AdminService:
                 "clients_ended": dict(self.sessions.ended_total),
             },
         }
+
+
+def _leave_out(stats: dict[str, Any], hidden: set[str]) -> None:
+    """Take the namespaces in `hidden` (private ones the asking session was not granted) out of
+    `stats`, where they are named: the catalog's namespaces, the scheduler's namespaces and
+    streams, the clients' scheduler streams."""
+    catalog = stats["catalog"]
+    catalog["namespaces"] = {ns: c for ns, c in catalog["namespaces"].items() if ns not in hidden}
+    scheduler = stats.get("scheduler")
+    if scheduler is not None:
+        scheduler["namespaces"] = [n for n in scheduler["namespaces"]
+                                   if n["namespace"] not in hidden]
+        scheduler["clients"] = [c for c in scheduler["clients"] if c["namespace"] not in hidden]
+    for client in stats["clients"]:
+        client["scheduler_streams"] = [key for key in client["scheduler_streams"]
+                                       if key[0] not in hidden]

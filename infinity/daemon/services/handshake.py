@@ -1,7 +1,8 @@
 """Sessions as requests see them: hello, attach, detach, heartbeat, bye, and a session's end.
 
-A session opens with `hello` on one socket; `attach` adds a client thread's
-socket, `detach` takes one out. A session ends on `bye`, when the client
+A session opens with `hello` on one socket, which must carry the daemon's
+secret (a hello without it is refused with AuthenticationError, and logged);
+`attach` adds a client thread's socket, `detach` takes one out. A session ends on `bye`, when the client
 process exits (its pidfd becomes readable, or its fd channel closes), or after
 `daemon.client_timeout_s` of silence (the sweep). Its end runs the other
 services' `client_gone` hooks, in the order given, so each gives back what the
@@ -11,6 +12,7 @@ session held in its own state. This service also owns the fd channel
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -22,8 +24,8 @@ from infinity.daemon.arena import CpuArena
 from infinity.daemon.fdserver import FdConnection, FdServer
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.services.base import Routes, SocketHandler
-from infinity.daemon.sessions import Session, Sessions, open_pidfd
-from infinity.errors import LimitExceededError, ProtocolError
+from infinity.daemon.sessions import Session, Sessions, open_pidfd, shortened
+from infinity.errors import AuthenticationError, LimitExceededError, ProtocolError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
 
@@ -38,11 +40,13 @@ class SessionService:
 
     def __init__(self, config: InfinityConfig, layout: RuntimeLayout, loop: EventLoop,
                  arena: CpuArena, *, sessions: Sessions, client_gone: Sequence[ClientGone],
-                 may_write: Callable[[Session, str], bool]) -> None:
+                 may_write: Callable[[Session, str], bool], secret: bytes) -> None:
         self.config = config
+        self._secret = secret  # every hello must carry it (lifecycle.daemon_secret)
         self.loop = loop
         self.sessions = sessions
         self._client_gone = tuple(client_gone)
+        self._secret_path = layout.secret_path
         self.fds = FdServer(layout.fds_path, loop, arena, find_session=self.sessions.by_token,
                             on_bound=self._on_fd_bound, on_closed=self._on_fd_closed,
                             may_write=may_write)
@@ -81,6 +85,16 @@ class SessionService:
 
     def hello(self, identity: bytes, session: Session | None, request_id: int,
               hello: wire.Hello) -> list[Any]:
+        if not hmac.compare_digest(hello.secret, self._secret):
+            # The name and pid are the client's claims, logged shortened, as said.
+            log.warning("refused a hello without the daemon's secret (%s), name %r, pid %d",
+                        "none presented" if not hello.secret else "a wrong one",
+                        shortened(hello.name), hello.pid)
+            raise AuthenticationError(
+                f"this hello did not carry the daemon's secret ("
+                f"{'none presented' if not hello.secret else 'a wrong one'}); a client presents "
+                f"the one in {self._secret_path}, which only the daemon's user may read: run as "
+                f"that user, with the same daemon.runtime_dir as the daemon")
         limit = self.config.daemon.max_clients
         if len(self.sessions.by_id) >= limit:
             raise LimitExceededError(
@@ -134,6 +148,7 @@ class SessionService:
         self.loop.add_reader(fd, lambda: self.end(session, "process exited"))
 
     def _on_fd_bound(self, session: Session, conn: FdConnection) -> None:
+        session.peer_uid = conn.peer_uid  # the kernel's word (SO_PEERCRED), not the client's
         # The kernel's view of the peer beats the pid the client claimed (pid namespaces).
         if conn.peer_pid > 0 and conn.peer_pid != session.watched_pid:
             self._watch(session, conn.peer_pid)

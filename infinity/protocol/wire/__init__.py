@@ -50,7 +50,8 @@ then `wire.Get`, `wire.encode_request`, `wire.PROTOCOL_VERSION`. Its modules, by
 
 from .adam import AdamGroup, AdamItem, AdamStep
 from .codec import (LIST_PAGE, MAX_BIN_BYTES, MAX_ITEMS, MAX_MAP_ENTRIES, MAX_MESSAGE_BYTES,
-                    MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, MAX_PID, MAX_STR_BYTES, PROTOCOL_VERSION)
+                    MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, MAX_PID, MAX_SECRET_BYTES, MAX_STR_BYTES,
+                    MAX_TOKEN_CHARS, MIN_TOKEN_CHARS, PROTOCOL_VERSION)
 from .envelope import (MAX_MULTI_REQUESTS, MULTI_OPS, NO_REPLY_OPS, REQUESTS, Envelope, Multi,
                        Request, decode_body, decode_envelope, encode_request)
 from .fdchannel import FdReply, FdRequest, SegmentInfo
@@ -71,6 +72,7 @@ from .results import (STEP_OUTCOMES, ItemError, NamespaceInfo, Placement, StepRe
 __all__ = [
     "PROTOCOL_VERSION", "MAX_PID", "MAX_MESSAGE_BYTES", "MAX_ITEMS", "MAX_STR_BYTES",
     "MAX_BIN_BYTES", "MAX_MAP_ENTRIES", "MAX_NAME_CHARS", "MAX_NAMESPACE_CHARS", "LIST_PAGE",
+    "MAX_SECRET_BYTES", "MIN_TOKEN_CHARS", "MAX_TOKEN_CHARS",
     "TensorRef", "GetItem", "ReserveItem", "ListItem", "Hello", "Attach", "Heartbeat", "Detach",
     "Bye", "Stats", "Shutdown", "Get", "Release", "Reserve", "Commit", "CommitRenew",
     "CommitDurable", "FlushStore", "StreamOpen", "StreamChunk", "StreamClose", "Abort", "Prefetch",

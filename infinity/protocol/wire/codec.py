@@ -20,7 +20,9 @@ PROTOCOL_VERSION = 9  # 2: placements carry `edits`; ops get_ahead and upcoming;
 # 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
 # 6: op detach; 7: ops namespace (records with a mode, an owner and a quota), multi
 # (several requests in one message, answered in one reply) and adam_step (the optimizer's step);
-# 8: adam_step's steps of several parts, applied all or none, and their records; 9: op verify
+# 8: adam_step's steps of several parts, applied all or none, and their records; 9: access
+# control: hello carries the daemon's secret, namespaces may be private (a grant token, the
+# namespace op's `grant`), and namespace info says so and names the owner's uid; op verify
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
@@ -35,6 +37,9 @@ MAX_MAP_ENTRIES = 1 << 16
 MAX_NAME_CHARS = 1024
 MAX_NAMESPACE_CHARS = 255
 LIST_PAGE = 16384  # entries of one `list` result at most
+MAX_SECRET_BYTES = 64  # a hello's secret (the daemon's is 32 bytes)
+MIN_TOKEN_CHARS = 16  # a namespace's grant token: long enough not to be guessed by trying
+MAX_TOKEN_CHARS = 1024
 
 _UNPACK_LIMITS: dict[str, Any] = {
     "raw": False,

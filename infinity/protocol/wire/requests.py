@@ -16,8 +16,9 @@ from typing import Any, ClassVar, NamedTuple, Sequence, TypeVar, cast
 
 from infinity.errors import ProtocolError, VersionMismatchError
 
-from .codec import (MAX_NAMESPACE_CHARS, MAX_PID, PROTOCOL_VERSION, _SEQ, _bad, _bool, _bytes,
-                    _float, _int, _is_lease_id, _list, _shape, _short, _str)
+from .codec import (MAX_NAMESPACE_CHARS, MAX_PID, MAX_SECRET_BYTES, MAX_TOKEN_CHARS,
+                    MIN_TOKEN_CHARS, PROTOCOL_VERSION, _SEQ, _bad, _bool, _bytes, _float, _int,
+                    _is_lease_id, _list, _shape, _short, _str)
 
 # --- per-item schemas ------------------------------------------------------------------
 
@@ -113,16 +114,19 @@ def _items(body: Sequence[Any], op: str, kind: type[_Item]) -> tuple[_Item, ...]
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Opens a session: protocol version, client name, pid and process start time."""
+    """Opens a session: protocol version, client name, pid, process start time, and the
+    daemon's secret (`RuntimeLayout.read_secret`; protocol version 9), without which the daemon
+    refuses the session (AuthenticationError)."""
 
     OP: ClassVar[str] = "hello"
     version: int
     name: str
     pid: int
     start_time_s: float
+    secret: bytes = b""
 
     def body(self) -> list[Any]:
-        return [self.version, self.name, self.pid, self.start_time_s]
+        return [self.version, self.name, self.pid, self.start_time_s, self.secret]
 
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> Hello:
@@ -133,10 +137,13 @@ class Hello:
                 f"the client speaks Infinity protocol {body[0]} but this infinityd speaks "
                 f"{PROTOCOL_VERSION}; install the same Infinity version for both and restart "
                 f"the daemon (infinityd stop; infinityd start)")
-        version, name, pid, start = _list(body, "hello", 4)
+        version, name, pid, start, secret = _list(body, "hello", 5)
+        secret = _bytes(secret, "hello secret")
+        if len(secret) > MAX_SECRET_BYTES:
+            raise ProtocolError(f"malformed hello: a secret has at most {MAX_SECRET_BYTES} bytes")
         return cls(_int(version, "hello version"), _str(name, "hello name"),
                    _int(pid, "hello pid", minimum=1, maximum=MAX_PID),
-                   _float(start, "hello start_time_s"))
+                   _float(start, "hello start_time_s"), secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,29 +570,33 @@ class Upcoming:
 MAX_UPCOMING_ENTRIES = 4096
 
 NAMESPACE_MODES = ("read-write", "read-only")
-NAMESPACE_ACTIONS = ("create", "info", "seal")
+NAMESPACE_ACTIONS = ("create", "info", "seal", "grant")
 
 
 @dataclass(frozen=True, slots=True)
 class NamespaceOp:
-    """Creates, describes or seals a namespace record. `create` gives `namespace` a `mode`
-    ("read-write", or "read-only": only the creating client writes it, every other client reads
-    it through read-only mappings) and a byte quota (0: none); `info` describes it (a namespace
-    never created is read-write, with no owner and no quota); `seal`, by the owner of a
-    read-only namespace, stops its writes too, for good. One result, a NamespaceInfo."""
+    """Creates, describes, seals or opens a namespace record. `create` gives `namespace` a
+    `mode` ("read-write", or "read-only": only the creating client writes it, every other
+    client reads it through read-only mappings), a byte quota (0: none) and, with a `token`, a
+    grant: the namespace is then private, seen and touched only by clients that presented the
+    token (protocol version 9); `info` describes it (a namespace never created is read-write,
+    with no owner and no quota); `seal`, by the owner of a read-only namespace, stops its
+    writes too, for good; `grant` presents `token` for a private namespace, granting it to the
+    session. One result, a NamespaceInfo."""
 
     OP: ClassVar[str] = "namespace"
     action: str
     namespace: str
     mode: str = "read-write"
     quota_bytes: int = 0
+    token: str = ""
 
     def body(self) -> list[Any]:
-        return [self.action, self.namespace, self.mode, self.quota_bytes]
+        return [self.action, self.namespace, self.mode, self.quota_bytes, self.token]
 
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> NamespaceOp:
-        action, namespace, mode, quota = _list(body, "namespace", 4)
+        action, namespace, mode, quota, token = _list(body, "namespace", 5)
         if action not in NAMESPACE_ACTIONS:
             raise ProtocolError(f"malformed namespace request: the action must be one of "
                                 f"{', '.join(NAMESPACE_ACTIONS)}, not {_short(action)}")
@@ -596,4 +607,10 @@ class NamespaceOp:
         if mode not in NAMESPACE_MODES:
             raise ProtocolError(f"malformed namespace request: the mode must be 'read-write' or "
                                 f"'read-only', not {_short(mode)}")
-        return cls(action, namespace, mode, _int(quota, "namespace quota_bytes"))
+        token = _str(token, "namespace token")
+        if token and not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
+            raise ProtocolError(f"malformed namespace request: a grant token has "
+                                f"{MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} characters")
+        if action == "grant" and not token:
+            raise ProtocolError("malformed namespace request: a grant presents a token")
+        return cls(action, namespace, mode, _int(quota, "namespace quota_bytes"), token)

@@ -184,7 +184,9 @@ class NamespaceInfo:
     is then read-write, with no owner and no quota). `owner_client` is the owner's session id
     (0: none), `owner_name` and `owner_pid` as the owner said at hello; `owner_alive`: whether
     that session is still open (when it ends, a read-only namespace has no writer left).
-    `used_bytes`: its current tensors' bytes."""
+    `used_bytes`: its current tensors' bytes. `private`: created with a grant token, so only
+    the clients that presented it see it (protocol version 9); `owner_uid`: the owner's uid as
+    the kernel reported it on the owner's fd channel (-1: not known)."""
 
     namespace: str
     mode: str
@@ -196,15 +198,18 @@ class NamespaceInfo:
     quota_bytes: int
     used_bytes: int
     sealed: bool
+    private: bool = False
+    owner_uid: int = -1
 
     def to_wire(self) -> list[Any]:
         return [self.namespace, self.mode, self.created, self.owner_client, self.owner_name,
-                self.owner_pid, self.owner_alive, self.quota_bytes, self.used_bytes, self.sealed]
+                self.owner_pid, self.owner_alive, self.quota_bytes, self.used_bytes, self.sealed,
+                self.private, self.owner_uid]
 
     @classmethod
     def from_wire(cls, value: Any) -> NamespaceInfo:
         (ns, mode, created, owner, owner_name, owner_pid, owner_alive, quota, used,
-         sealed) = _list(value, "namespace info", 10)
+         sealed, private, owner_uid) = _list(value, "namespace info", 12)
         if mode not in NAMESPACE_MODES:
             raise ProtocolError(f"malformed namespace info: unknown mode {_short(mode)}")
         return cls(_str(ns, "namespace info namespace"), mode,
@@ -213,7 +218,9 @@ class NamespaceInfo:
                    _int(owner_pid, "namespace info owner_pid"),
                    _bool(owner_alive, "namespace info owner_alive"),
                    _int(quota, "namespace info quota_bytes"), _int(used, "namespace info used_bytes"),
-                   _bool(sealed, "namespace info sealed"))
+                   _bool(sealed, "namespace info sealed"),
+                   _bool(private, "namespace info private"),
+                   _int(owner_uid, "namespace info owner_uid", minimum=-1))
 
 
 def decode_version(value: Any) -> int:
