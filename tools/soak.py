@@ -12,8 +12,9 @@ put), delete, and now and then `flush_store` (everything durable). It keeps a le
 what it believes the store holds: a line before each put or delete (the intent) and one after
 the daemon acknowledged it. Every `--kill-every-s` on average a random client that is past its
 start is killed with SIGKILL and a new one started on its ledger: it first checks every name
-against the ledger (the acknowledged value, or where the kill came between intent and acknowledgement either the old or
-the new one; a name acknowledged deleted must be gone) and then goes on working.
+against the ledger (the acknowledged value, or where the kill came between intent and
+acknowledgement either the old or the new one; a name acknowledged deleted must be gone) and
+then goes on working.
 
 Every second the daemon's RSS, anonymous memory, open files and CPU-tier bytes in use are
 sampled. Printed (JSON): operations by kind, kills, checks, tensors lost or wrong (must be 0),
