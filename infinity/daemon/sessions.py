@@ -59,6 +59,8 @@ class ClientCounters:
     streams: int = 0  # read_into / write_from streams opened
     stream_bytes: int = 0  # bytes moved by this client's stream chunks
     steps: int = 0  # steps begun (step markers)
+    optimizer_items: int = 0  # parameters' optimizer steps applied at this client's request
+    optimizer_parameters: int = 0  # ... and the elements they updated
 
 
 @dataclass(eq=False)
@@ -84,6 +86,9 @@ class Session:
     # The namespace of the step the client marked last: its accesses in every namespace
     # belong to that step's trace.
     step_namespace: str | None = None
+    # The namespaces this client got or reserved tensors in (each request's first item's: a
+    # set insertion per request, not per item), for the monitor.
+    namespaces: set[str] = field(default_factory=set)
 
     def describe(self) -> str:
         return f"client {self.id} ({self.name!r}, pid {self.pid})"
