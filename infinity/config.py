@@ -321,7 +321,7 @@ class TelemetryConfig:
     prometheus_port: int = 0
     prometheus_address: str = "127.0.0.1"
     # ... and/or a textfile for node_exporter's textfile collector, rewritten every interval
-    # ("": none; needs interval_s > 0).
+    # ("": none). Both need interval_s > 0: they show the latest snapshot.
     prometheus_textfile: str = ""
 
     def validate(self) -> None:
@@ -329,9 +329,9 @@ class TelemetryConfig:
         _require(0 <= self.prometheus_port <= 65535,
                  "telemetry.prometheus_port must be 0 (off) or a TCP port, 1 to 65535")
         _require(bool(self.prometheus_address), "telemetry.prometheus_address must not be empty")
-        _require(not self.prometheus_textfile or self.interval_s > 0,
-                 "telemetry.prometheus_textfile is rewritten every telemetry.interval_s; "
-                 "set telemetry.interval_s above 0")
+        _require(not (self.prometheus_textfile or self.prometheus_port) or self.interval_s > 0,
+                 "the Prometheus metrics are the telemetry snapshots, taken every "
+                 "telemetry.interval_s; set telemetry.interval_s above 0")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,12 @@ class Daemon:
         self.telemetry = TelemetryPublisher(config.telemetry, self.loop, layout,
                                             self.dispatcher.context, snapshot=self.admin.snapshot)
         self.admin.telemetry = self.telemetry.describe
+        if config.telemetry.prometheus_port or config.telemetry.prometheus_textfile:
+            # Imported only when asked for: most daemons export nothing.
+            from infinity.daemon.prometheus import PrometheusExporter
+
+            self.telemetry.exporters.append(PrometheusExporter(
+                config.telemetry, run_in_worker=self.loop.run_in_worker))
 
     # --- lifecycle ----------------------------------------------------------------
 
