@@ -151,3 +151,30 @@ def test_a_snapshot_round_trips_and_refuses_another_version() -> None:
         wire.TelemetrySnapshot.decode(other)
     with pytest.raises(ProtocolError):
         wire.TelemetrySnapshot.decode(msgpack.packb(["telemetry", 1, 1, 0.0, 1.0, {}]))
+
+
+def test_dirty_bytes_follow_evictions_loads_and_writes_in_place(nvme_daemon: Any) -> None:
+    """The kept figure equals what `list` says, tensor by tensor, whatever the tier did: a tensor
+    listed "cpu" with an NVMe tier is resident with no clean copy."""
+    client = nvme_daemon.connect("churn")
+
+    def agree() -> bool:
+        listed = sum(info.nbytes for info in client.list() if info.tier == "cpu")
+        return client.stats()["tiers"]["cpu"]["dirty_bytes"] == listed
+
+    try:
+        for i in range(16):  # 16 MiB through an 8 MiB tier: write-backs and evictions
+            client.put(f"t{i}", torch.full((256 * 1024,), float(i)))
+        wait_until(agree, timeout_s=20, what="dirty bytes to agree after evictions")
+        assert client.stats()["tiers"]["cpu"]["dirty_bytes"] > 0  # the last puts' at least
+        for i in range(4):  # loads back from NVMe (clean), one written in place (dirty)
+            with client.get(f"t{i}", exclusive=(i == 0)) as view:
+                if i == 0:
+                    view += 1
+        client.flush()
+        wait_until(agree, timeout_s=20, what="dirty bytes to agree after loads and a write")
+        client.flush_store()
+        assert client.stats()["tiers"]["cpu"]["dirty_bytes"] == 0
+        assert agree()
+    finally:
+        client.close()
