@@ -18,7 +18,7 @@ import itertools
 import os
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import psutil
@@ -169,5 +169,10 @@ class Sessions:
         return len(self.by_id)
 
 
+_COUNTER_FIELDS = tuple(f.name for f in fields(ClientCounters))
+
+
 def counters_dict(counters: ClientCounters) -> dict[str, int]:
-    return asdict(counters)
+    # Not dataclasses.asdict, which deep-copies field by field: 12x slower, and a telemetry
+    # snapshot takes this of every client each second.
+    return {name: getattr(counters, name) for name in _COUNTER_FIELDS}

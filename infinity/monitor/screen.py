@@ -118,13 +118,18 @@ class Column:
     sort: Callable[[dict[str, Any]], Any]
     priority: int  # columns of a higher number leave first when the width runs short
     left: bool = False  # text, aligned left (numbers align right)
+    flexible: bool = False  # takes the room left, up to FLEX_MAX (one per table)
 
 
 def _num(key: str) -> Callable[[dict[str, Any]], float]:
-    def get(client: dict[str, Any]) -> float:
-        value = client.get(key)
+    def get(entry: dict[str, Any]) -> float:
+        value = entry.get(key)
         return float(value) if isinstance(value, (int, float)) else 0.0
     return get
+
+
+def _text(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda entry: str(entry.get(key, "-"))
 
 
 def _hit_rate(client: dict[str, Any]) -> float | None:
@@ -137,23 +142,25 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
+def _seconds(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
 def _namespaces(client: dict[str, Any]) -> str:
     names = client.get("namespaces")
     return ",".join(str(n) for n in names) if isinstance(names, (list, tuple)) and names else "-"
 
 
-NAME_MIN = 8  # the name column's least width
-NAME_MAX = 24
+FLEX_MIN = 8  # the flexible column's least width
+FLEX_MAX = 24
 
 COLUMNS = (
-    Column("NAME", NAME_MIN, lambda c: str(c.get("name", "-")),
-           lambda c: str(c.get("name", "")), 0, left=True),
+    Column("NAME", FLEX_MIN, _text("name"), lambda c: str(c.get("name", "")), 0, left=True,
+           flexible=True),
     Column("RESIDENT", 9, lambda c: size(c.get("resident_bytes")), _num("resident_bytes"), 0),
     Column("REQ/S", 6, lambda c: count(c.get("requests_per_s")), _num("requests_per_s"), 1),
-    Column("STALL S", 8, lambda c: (f"{c['stall_s']:.3f}"
-                                    if isinstance(c.get("stall_s"), (int, float)) else "-"),
-           _num("stall_s"), 2),
-    Column("PID", 7, lambda c: str(c.get("pid", "-")), _num("pid"), 3),
+    Column("STALL S", 8, lambda c: _seconds(c.get("stall_s")), _num("stall_s"), 2),
+    Column("PID", 7, _text("pid"), _num("pid"), 3),
     Column("HIT%", 5, lambda c: _percent(_hit_rate(c)), lambda c: _hit_rate(c) or 0.0, 4),
     Column("LEASES", 6, lambda c: count(c.get("leases")), _num("leases"), 5),
     Column("PARAM/S", 7, lambda c: count(c.get("optimizer_parameters_per_s")),
@@ -165,18 +172,41 @@ COLUMNS = (
 SORTS = ("RESIDENT", "REQ/S", "STALL S", "NAME", "PID")
 
 
-def _columns_for(width: int) -> tuple[list[Column], int]:
-    """The columns that fit `width` (leaving out the least important first) and the name's
-    width (what is left, within NAME_MIN .. NAME_MAX)."""
-    chosen = list(COLUMNS)
-    while True:
-        used = sum(c.width for c in chosen) + len(chosen) - 1
-        if used <= width or len(chosen) <= 2:
-            break
+def _totals(key: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda entry: _table(entry, "totals").get(key, "-")
+
+
+# The scheduler's streams (a client's per namespace it steps in): where each finds its data.
+STREAM_COLUMNS = (
+    Column("NAMESPACE", FLEX_MIN, _text("namespace"), _text("namespace"), 0, left=True,
+           flexible=True),
+    Column("CLIENT", 12, _text("client"), _text("client"), 0, left=True),
+    Column("STATE", 9, lambda e: str(e.get("state", "-")) if e.get("active") else "gone",
+           _text("state"), 1, left=True),
+    Column("STEPS", 6, lambda e: count(_totals("steps")(e)), _text("namespace"), 2),
+    Column("TRACE", 6, lambda e: count(e.get("trace_entries")), _text("namespace"), 2),
+    Column("HITS", 6, lambda e: count(_num("prefetch_hits")(_table(e, "totals"))
+                                      + _num("resident_hits")(_table(e, "totals"))),
+           _text("namespace"), 3),
+    Column("MISSES", 6, lambda e: count(_totals("misses")(e)), _text("namespace"), 3),
+    Column("STALL S", 8, lambda e: _seconds(_totals("stall_s")(e)), _text("namespace"), 2),
+    Column("IN FLIGHT", 9, lambda e: count(_totals("inflight_hits")(e)), _text("namespace"), 4),
+    Column("LOOKAHEAD", 9, lambda e: size(e.get("lookahead_bytes")), _text("namespace"), 5),
+)
+
+
+def _fitted(columns: Sequence[Column], width: int) -> tuple[list[Column], list[int]]:
+    """The columns that fit `width`, leaving out the least important first, and their widths:
+    the flexible one takes what is left (within FLEX_MIN .. FLEX_MAX), the last one the rest."""
+    chosen = list(columns)
+    while len(chosen) > 2 and sum(c.width for c in chosen) + len(chosen) - 1 > width:
         chosen.remove(max(chosen, key=lambda c: c.priority))
     spare = width - sum(c.width for c in chosen) - (len(chosen) - 1)
-    name_width = max(1, min(NAME_MAX, NAME_MIN + spare)) if width >= 20 else max(1, width // 2)
-    return chosen, name_width
+    widths = [max(1, min(FLEX_MAX, c.width + spare)) if c.flexible else c.width for c in chosen]
+    widths[-1] += max(0, width - (sum(widths) + len(widths) - 1))
+    if sum(widths) + len(widths) - 1 > width:  # a tiny terminal: halve the two left
+        widths = [max(1, (width - 1) // 2)] * len(widths)
+    return chosen, widths
 
 
 def _cell(column: Column, text: str, width: int) -> str:
@@ -184,27 +214,31 @@ def _cell(column: Column, text: str, width: int) -> str:
     return text.ljust(width) if column.left else text.rjust(width)
 
 
-def client_table(clients: list[dict[str, Any]], *, width: int, rows: int, sort: str) -> list[Text]:
-    """The table's header and at most `rows` - 1 clients (a last row counts those left out)."""
-    columns, name_width = _columns_for(width)
-    widths = [name_width if c.header == "NAME" else c.width for c in columns]
-    # The last column takes what is left (namespaces are long).
-    widths[-1] += max(0, width - (sum(widths) + len(widths) - 1))
-    key = next((c for c in COLUMNS if c.header == sort), COLUMNS[1])
-    ordered = sorted(clients, key=key.sort, reverse=key.header not in ("NAME", "PID"))
+def table(entries: list[dict[str, Any]], columns: Sequence[Column], *, width: int, rows: int,
+          sort: str | None = None, empty: str = "none") -> list[Text]:
+    """A header and at most `rows` - 1 entries (a last row counts those left out), sorted by
+    the column headed `sort` (numbers largest first), else in the order given."""
+    chosen, widths = _fitted(columns, width)
+    key = next((c for c in columns if c.header == sort), None)
+    ordered = (sorted(entries, key=key.sort, reverse=not key.left and key.header != "PID")
+               if key is not None else entries)
     head = Text(" ".join(_cell(c, c.header + ("↓" if c is key else ""), w)
-                         for c, w in zip(columns, widths)).rstrip(), style="bold reverse")
+                         for c, w in zip(chosen, widths)).rstrip(), style="bold reverse")
     lines = [head]
     room = rows - 1
     shown = ordered if len(ordered) <= room else ordered[:max(0, room - 1)]
-    for client in shown:
-        lines.append(Text(" ".join(_cell(c, c.value(client), w)
-                                   for c, w in zip(columns, widths)).rstrip()))
+    for entry in shown:
+        lines.append(Text(" ".join(_cell(c, c.value(entry), w)
+                                   for c, w in zip(chosen, widths)).rstrip()))
     if len(shown) < len(ordered) and room >= 1:
         lines.append(Text(f"... and {len(ordered) - len(shown)} more", style="dim"))
-    if not clients and room >= 1:
-        lines.append(Text("no clients attached", style="dim"))
+    if not entries and room >= 1:
+        lines.append(Text(empty, style="dim"))
     return lines[:rows]
+
+
+def client_table(clients: list[dict[str, Any]], *, width: int, rows: int, sort: str) -> list[Text]:
+    return table(clients, COLUMNS, width=width, rows=rows, sort=sort, empty="no clients attached")
 
 
 # --- the frame -------------------------------------------------------------------------------
@@ -337,16 +371,24 @@ def frame(snapshot: Snapshot, history: Sequence[BandwidthSample] = (), *, width:
                        (f"last error: {errors[-1].get('code', '-')}" if errors else "")], inner),
                   style="reverse")
     if help:
-        room = height - len(body) - 1
-        return [*body[:max(0, height - 1 - len(HELP))],
-                *[Text(shorten(line, inner)) for line in HELP][:max(0, room)], footer][:height]
+        kept = body[:max(0, height - 1 - len(HELP))]
+        shown = [Text(shorten(line, inner)) for line in HELP][:max(0, height - 1 - len(kept))]
+        return [*kept, *shown, footer][:height]
     title = Text("clients", style="bold underline")
     room = height - len(body) - 2  # the title and the footer
     if room < 2:  # a small terminal: the clients before the bandwidth
         body = body[:2] + body[2:][:max(0, height - 2 - 2 - 3)]
         room = height - len(body) - 2
-    table = client_table(clients, width=inner, rows=max(0, room), sort=sort)
-    return [*body, title, *table, footer][:height]
+    # Room left below the clients goes to the scheduler's streams (a large terminal, --once).
+    streams = _rows(stats.get("scheduler"), "clients")
+    needed = 1 + max(1, len(clients))
+    if streams and room - needed >= 3:
+        return [*body, title, *client_table(clients, width=inner, rows=needed, sort=sort),
+                Text("prefetch by stream", style="bold underline"),
+                *table(streams, STREAM_COLUMNS, width=inner, rows=room - needed - 1),
+                footer][:height]
+    return [*body, title, *client_table(clients, width=inner, rows=max(0, room), sort=sort),
+            footer][:height]
 
 
 def _wrap(text: str, width: int) -> list[str]:
