@@ -178,3 +178,33 @@ def test_dirty_bytes_follow_evictions_loads_and_writes_in_place(nvme_daemon: Any
         assert agree()
     finally:
         client.close()
+
+
+def test_a_clients_device_cache_is_reported_as_its_gpu_tier(daemon: Any) -> None:
+    from infinity.client.device import CpuCopier, DeviceCache
+    from infinity.daemon.prometheus import metric_families
+
+    client = daemon.connect("gpu-user")
+    try:
+        client.put("w", torch.ones(1024))
+        cache = DeviceCache(client, budget_bytes=1 << 20, copier=CpuCopier(), prefetch=False)
+        with cache.get("w"):
+            pass
+
+        def reported() -> dict[str, Any] | None:
+            stats = client.stats()
+            tier = stats["tiers"]["gpu"]
+            return stats if tier and tier[0]["used_bytes"] == 4096 else None
+
+        stats = wait_until(reported, timeout_s=10, what="the cache's figures in stats")
+        (gpu,) = stats["tiers"]["gpu"]
+        assert (gpu["client"], gpu["device"], gpu["budget_bytes"]) == ("gpu-user", "cpu", 1 << 20)
+        assert gpu["misses"] == 1 and gpu["copied_bytes"] == 4096
+        assert client_named(stats, "gpu-user")["gpu_used_bytes"] == 4096
+        metrics = {s.name: s for family in metric_families(stats) for s in family.samples}
+        assert metrics["infinity_gpu_tier_used_bytes"].value == 4096
+        cache.close()  # the report goes: an empty one follows
+        wait_until(lambda: client.stats()["tiers"]["gpu"] == (), timeout_s=10,
+                   what="the closed cache to leave the report")
+    finally:
+        client.close()

@@ -106,6 +106,18 @@ def metric_families(stats: dict[str, Any]) -> list[Metric]:
         out.gauge("infinity_nvme_queue_depth", "I/O batches submitted and not completed",
                   nvme.get("queue_depth"))
 
+    gpus = [g for g in (stats.get("tiers") or {}).get("gpu") or () if isinstance(g, dict)]
+    for key, name, kind, doc in (
+            ("budget_bytes", "infinity_gpu_tier_capacity_bytes", GaugeMetricFamily,
+             "A client's device cache budget on a device (as the client reported it)"),
+            ("used_bytes", "infinity_gpu_tier_used_bytes", GaugeMetricFamily,
+             "Bytes of a client's device caches in use on a device"),
+            ("copied_bytes", "infinity_gpu_tier_copied_bytes", CounterMetricFamily,
+             "Bytes a client copied into device memory")):
+        out.labelled(kind(name, doc, labels=["client", "id", "device"]),
+                     [([str(g.get("client")), str(g.get("id")), str(g.get("device"))], g.get(key))
+                      for g in gpus])
+
     catalog = stats.get("catalog") or {}
     out.gauge("infinity_tensors", "Tensors in the store", catalog.get("num_tensors"))
     out.gauge("infinity_tensor_bytes", "Bytes of the store's current tensors",

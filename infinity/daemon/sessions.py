@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 
 from infinity.daemon.trace import StreamKey
-from infinity.protocol.wire import Hello
+from infinity.protocol.wire import DeviceFigures, Hello
 
 # psutil computes a start time from the same boot time and tick count in every process,
 # so the client's own figure and ours agree to the bit; the slack covers float printing only.
@@ -89,6 +89,9 @@ class Session:
     # The namespaces this client got or reserved tensors in (each request's first item's: a
     # set insertion per request, not per item), for the monitor.
     namespaces: set[str] = field(default_factory=set)
+    # Its GPU tier, one entry per device, as its last `device_report` said (device memory is
+    # the client's own: the daemon knows only what it reports).
+    devices: tuple[DeviceFigures, ...] = ()
 
     def describe(self) -> str:
         return f"client {self.id} ({self.name!r}, pid {self.pid})"

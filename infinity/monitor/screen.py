@@ -274,6 +274,10 @@ def _tier_lines(stats: dict[str, Any], width: int) -> list[Text]:
         f"dirty {size(cpu.get('dirty_bytes'))}",
         f"{count(cpu.get('resident_tensors'))} resident",
         f"{count(cpu.get('num_segments'))} segments"], width)]
+    for gpu in _rows(tiers, "gpu"):  # each client's device caches, as it reported them
+        lines.append(_tier_line("gpu ", gpu.get("used_bytes"), gpu.get("budget_bytes"), [
+            shorten(str(gpu.get("client", "-")), 16), str(gpu.get("device", "-")),
+            f"copied {size(gpu.get('copied_bytes'))}"], width))
     nvme = tiers.get("nvme")
     if isinstance(nvme, dict):
         dirs = _rows(nvme, "dirs")

@@ -117,6 +117,9 @@ class AdminService:
             "read_bytes": counters.bytes_leased, "written_bytes": counters.bytes_committed,
             "read_bytes_per_s": rate(("cpu", "read")),
             "written_bytes_per_s": rate(("cpu", "written"))}}
+        # The GPU tier is the clients' own: what each reported with its heartbeats.
+        tiers["gpu"] = [{"client": s.name, "id": s.id, **d.as_dict()}
+                        for s in self.sessions for d in s.devices]
         if "nvme" in extra:
             nvme: dict[str, Any] = dict(extra["nvme"])  # type: ignore[call-overload]
             for d in nvme["dirs"]:
@@ -159,6 +162,8 @@ class AdminService:
             "sockets": len(session.identities), "mapped_segments": len(session.mapped_segments),
             "leases": leases, "reservations": reservations,
             "leased_bytes": held, "reserved_bytes": reserved, "resident_bytes": held + reserved,
+            "gpu": [d.as_dict() for d in session.devices],
+            "gpu_used_bytes": sum(d.used_bytes for d in session.devices),
             "requests_per_s": rate((session.id, "requests")),
             "get_bytes_per_s": rate((session.id, "get_bytes")),
             "commit_bytes_per_s": rate((session.id, "commit_bytes")),

@@ -46,7 +46,8 @@ then `wire.Get`, `wire.encode_request`, `wire.PROTOCOL_VERSION`. Its modules, by
     results     ItemError and the result schemas (Welcome, Placement, StreamInfo, ...)
     replies     reply encoding and decoding, a multi's reply split per request
     fdchannel   the fd channel's FdRequest and FdReply
-    telemetry   the telemetry stream's TelemetrySnapshot (published, never requested)
+    telemetry   the telemetry stream's TelemetrySnapshot (published, never requested), and
+                DeviceReport (a client's GPU tier, sent with its heartbeats)
 """
 
 from .adam import AdamGroup, AdamItem, AdamStep
@@ -66,7 +67,8 @@ from .requests import (MAX_UPCOMING_ENTRIES, NAMESPACE_ACTIONS, NAMESPACE_MODES,
 from .results import (STEP_OUTCOMES, ItemError, NamespaceInfo, Placement, StepReport, StreamInfo,
                       TensorInfo, Welcome, decode_bool, decode_flush_summary, decode_infos,
                       decode_none, decode_renewed, decode_stats, decode_version)
-from .telemetry import TELEMETRY_SECTIONS, TELEMETRY_VERSION, TelemetrySnapshot
+from .telemetry import (TELEMETRY_SECTIONS, TELEMETRY_VERSION, DeviceFigures, DeviceReport,
+                        TelemetrySnapshot)
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_PID", "MAX_MESSAGE_BYTES", "MAX_ITEMS", "MAX_STR_BYTES",
@@ -84,5 +86,5 @@ __all__ = [
     "pack_result", "encode_packed_reply", "encode_results", "encode_packed_results",
     "encode_multi_reply", "split_multi_reply", "encode_error", "decode_reply", "split_reply",
     "decode_results", "SegmentInfo", "FdRequest", "FdReply", "TELEMETRY_VERSION",
-    "TELEMETRY_SECTIONS", "TelemetrySnapshot",
+    "TELEMETRY_SECTIONS", "TelemetrySnapshot", "DeviceFigures", "DeviceReport",
 ]

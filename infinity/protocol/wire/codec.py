@@ -16,11 +16,12 @@ import msgpack
 
 from infinity.errors import ProtocolError
 
-PROTOCOL_VERSION = 8  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+PROTOCOL_VERSION = 9  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
 # 6: op detach; 7: ops namespace (records with a mode, an owner and a quota), multi
 # (several requests in one message, answered in one reply) and adam_step (the optimizer's step);
-# 8: adam_step's steps of several parts, applied all or none, and their records
+# 8: adam_step's steps of several parts, applied all or none, and their records;
+# 9: op device_report (a client's GPU tier, for the telemetry)
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 

@@ -15,13 +15,14 @@ words, rather than shown a map it would misread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Sequence
 
 from infinity.errors import ProtocolError
 
 from .codec import _bad, _float, _int, _list, _pack, _str, _unpack
 
+MAX_DEVICES = 64  # device figures in one report at most (one per device a client computes on)
 TELEMETRY_KIND = "telemetry"
 TELEMETRY_VERSION = 1
 # Sections every snapshot's stats carry (a subscriber may rely on these being maps or lists).
@@ -61,3 +62,57 @@ class TelemetrySnapshot:
                            stats.get(section))
         return cls(_int(value[2], "telemetry seq", minimum=1), _float(value[3], "telemetry time"),
                    _float(value[4], "telemetry interval"), stats)
+
+
+# --- what a client reports of itself ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DeviceFigures:
+    """One device's figures of a client's GPU tier (its device caches on that device, summed):
+    [device, budget_bytes, used_bytes, max_used_bytes, hits, inflight_hits, misses,
+    prefetched, evictions, copied_bytes]."""
+
+    device: str
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    max_used_bytes: int = 0
+    hits: int = 0
+    inflight_hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    evictions: int = 0
+    copied_bytes: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_wire(cls, value: Any, where: str) -> DeviceFigures:
+        names = [f.name for f in fields(cls)]
+        items = _list(value, where, len(names))
+        return cls(_str(items[0], where + " device"),
+                   *(_int(v, f"{where} {name}") for v, name in zip(items[1:], names[1:])))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReport:
+    """A client's GPU tier, which the daemon cannot see (device memory is the client's): sent
+    with its heartbeats while it has device caches, for `stats` and the telemetry; no reply."""
+
+    OP: ClassVar[str] = "device_report"
+    devices: tuple[DeviceFigures, ...]
+
+    def body(self) -> list[Any]:
+        return [d.to_wire() for d in self.devices]
+
+    @classmethod
+    def from_body(cls, body: Sequence[Any]) -> DeviceReport:
+        items = _list(body, "device_report")
+        if len(items) > MAX_DEVICES:
+            raise ProtocolError(f"malformed device_report: {len(items)} devices, at most "
+                                f"{MAX_DEVICES}")
+        return cls(tuple(DeviceFigures.from_wire(v, f"device_report item {i}")
+                         for i, v in enumerate(items)))
