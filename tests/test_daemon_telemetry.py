@@ -34,9 +34,12 @@ class Subscriber:
             raise AssertionError(f"no telemetry snapshot within {timeout_s}s")
         return wire.TelemetrySnapshot.decode(self.socket.recv())
 
-    def until(self, predicate: Any, *, what: str, timeout_s: float = 10.0) -> wire.TelemetrySnapshot:
-        return wait_until(lambda: (lambda s: s if predicate(s.stats) else None)(self.next()),
-                          timeout_s=timeout_s, what=what)
+    def until(self, predicate: Any, *, what: str,
+              timeout_s: float = 10.0) -> wire.TelemetrySnapshot:
+        def matching() -> wire.TelemetrySnapshot | None:
+            snapshot = self.next()
+            return snapshot if predicate(snapshot.stats) else None
+        return wait_until(matching, timeout_s=timeout_s, what=what)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -43,6 +43,13 @@ class Terminal:
         except subprocess.CalledProcessError:  # the session ended
             return ""
 
+    def showing(self, predicate: Any, *, what: str) -> str:
+        """The screen, once `predicate(screen)` holds (polled: the screen has no event to await)."""
+        def screen() -> str | None:
+            text = self.screen()
+            return text if predicate(text) else None
+        return str(wait_until(screen, timeout_s=30, what=what))
+
     def send(self, key: str) -> None:
         self._tmux("send-keys", "-t", "top", key)
 
@@ -91,17 +98,16 @@ def test_top_in_a_terminal_follows_the_daemon_through_a_restart(daemon_factory: 
     try:
         for thread in threads:
             thread.start()
-        screen = wait_until(lambda: (lambda s: s if "loader-one" in s and "loader-two" in s
-                                     and read_rate(s) > 0 else None)(terminal.screen()),
-                            timeout_s=30, what="both clients and a read rate on the screen")
+        screen = terminal.showing(lambda s: "loader-one" in s and "loader-two" in s
+                                  and read_rate(s) > 0,
+                                  what="both clients and a read rate on the screen")
         assert re.search(r"^cpu +\[", screen, re.MULTILINE)
         assert re.search(r"^nvme +\[", screen, re.MULTILINE)
         assert fits(screen), screen
         terminal.send("s")  # the next sort column
-        wait_until(lambda: f"sort: {SORTS[1]}" in terminal.screen(), timeout_s=10,
-                   what="the sort column to change")
+        terminal.showing(lambda s: f"sort: {SORTS[1]}" in s, what="the sort column to change")
         terminal.send("?")
-        wait_until(lambda: "this help" in terminal.screen(), timeout_s=10, what="the help")
+        terminal.showing(lambda s: "this help" in s, what="the help")
         terminal.send("x")  # any key leaves it
 
         stop.set()
@@ -110,24 +116,27 @@ def test_top_in_a_terminal_follows_the_daemon_through_a_restart(daemon_factory: 
         for client in clients:
             client.close()
         daemon.stop()
-        screen = wait_until(lambda: (lambda s: s if "no infinityd is running" in s else None)(
-            terminal.screen()), timeout_s=30, what="the screen to say the daemon is gone")
+        screen = terminal.showing(lambda s: "no infinityd is running" in s,
+                                  what="the screen to say the daemon is gone")
         assert fits(screen), screen
 
         # The same runtime folder and store: the daemon comes back where top looks.
         restarted = start_daemon_process(daemon.root, **{
             "nvme.dirs": list(daemon.config.nvme.dirs), **SETTINGS})
         pid = restarted.process.pid
-        screen = wait_until(lambda: (lambda s: s if f"pid {pid}" in s and "cpu" in s
-                                     else None)(terminal.screen()),
-                            timeout_s=30, what="the restarted daemon's data on the screen")
+        screen = terminal.showing(lambda s: f"pid {pid}" in s and "cpu" in s,
+                                  what="the restarted daemon's data on the screen")
         assert fits(screen), screen
 
         terminal.send("q")
-        wait_until(lambda: os.path.exists(status) and open(status).read().strip(), timeout_s=30,
-                   what="infinity-top to exit")
-        with open(status) as f:
-            assert f.read().strip() == "0"
+
+        def exit_status() -> str | None:  # what the shell wrote once infinity-top ended
+            if not os.path.exists(status):
+                return None
+            with open(status) as f:
+                return f.read().strip() or None
+
+        assert wait_until(exit_status, timeout_s=30, what="infinity-top to exit") == "0"
     finally:
         stop.set()
         terminal.close()
@@ -179,9 +188,11 @@ def test_the_collector_takes_the_stream_or_asks_where_there_is_none(
     daemon = daemon_factory(**{"telemetry.interval_s": interval_s})
     collector = TelemetryCollector(daemon.config, stale_after_s=0.5).start()
     try:
-        snapshot = wait_until(lambda: (lambda s: s if s.source == source and s.error is None
-                                       else None)(collector.latest()),
-                              timeout_s=15, what=f"a snapshot from {source}")
+        def from_source() -> Snapshot | None:
+            snapshot = collector.latest()
+            return snapshot if snapshot.source == source and snapshot.error is None else None
+
+        snapshot = wait_until(from_source, timeout_s=15, what=f"a snapshot from {source}")
         assert snapshot.stats["daemon"]["pid"] == daemon.process.pid
         assert collector.history()  # each snapshot's bandwidth is kept
     finally:

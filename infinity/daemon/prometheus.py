@@ -72,7 +72,8 @@ def metric_families(stats: dict[str, Any]) -> list[Metric]:
     out.counter("infinity_requests", "Requests received", counters.get("requests"))
     errors = CounterMetricFamily("infinity_errors", "Errors answered, by error code",
                                  labels=["code"])
-    out.labelled(errors, [([code], n) for code, n in sorted((counters.get("errors") or {}).items())])
+    codes = sorted((counters.get("errors") or {}).items())
+    out.labelled(errors, [([code], n) for code, n in codes])
 
     cpu = (stats.get("tiers") or {}).get("cpu") or {}
     for key, name, doc in (

@@ -361,7 +361,8 @@ def frame(snapshot: Snapshot, history: Sequence[BandwidthSample] = (), *, width:
     dirs = settings.get("nvme_dirs")
     setup = Text(fit([f"cpu tier {size(settings.get('cpu_budget_bytes'))}",
                       f"nvme dirs {len(dirs) if isinstance(dirs, (list, tuple)) else '-'}",
-                      f"io {settings.get('io_backend', '-')} qd {settings.get('io_queue_depth', '-')}",
+                      f"io {settings.get('io_backend', '-')} "
+                      f"qd {settings.get('io_queue_depth', '-')}",
                       f"prefetch {'on' if settings.get('prefetch') else 'off'}",
                       shorten(str(daemon.get("runtime_dir", "-")), 30)], inner), style="dim")
     body: list[Text] = [head, setup, Text("tiers", style="bold underline"),
