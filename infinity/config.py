@@ -325,7 +325,8 @@ class TelemetryConfig:
     prometheus_textfile: str = ""
 
     def validate(self) -> None:
-        _require(self.interval_s >= 0, "telemetry.interval_s must be 0 (off) or positive")
+        _require(self.interval_s == 0 or self.interval_s >= 0.01,
+                 "telemetry.interval_s must be 0 (off) or at least 0.01 seconds")
         _require(0 <= self.prometheus_port <= 65535,
                  "telemetry.prometheus_port must be 0 (off) or a TCP port, 1 to 65535")
         _require(bool(self.prometheus_address), "telemetry.prometheus_address must not be empty")

@@ -177,8 +177,13 @@ def test_dirty_bytes_follow_evictions_loads_and_writes_in_place(nvme_daemon: Any
         client.flush()
         wait_until(agree, timeout_s=20, what="dirty bytes to agree after loads and a write")
         client.flush_store()
-        assert client.stats()["tiers"]["cpu"]["dirty_bytes"] == 0
+        stats = client.stats()
+        assert stats["tiers"]["cpu"]["dirty_bytes"] == 0
         assert agree()
+        # Every op counted in a directory's queue left it when its batch completed.
+        nvme = stats["tiers"]["nvme"]
+        assert nvme["dirs"][0]["bytes_written"] > 0 and nvme["dirs"][0]["bytes_read"] > 0
+        assert nvme["queue_depth"] == nvme["dirs"][0]["queue_depth"] == 0
     finally:
         client.close()
 
@@ -211,3 +216,16 @@ def test_a_clients_device_cache_is_reported_as_its_gpu_tier(daemon: Any) -> None
                    what="the closed cache to leave the report")
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["telemetry.interval_s=0.001"], "at least 0.01"),
+    (["telemetry.interval_s=0", "telemetry.prometheus_port=9464"], "telemetry.interval_s above 0"),
+    (["telemetry.prometheus_port=70000"], "TCP port"),
+])
+def test_telemetry_settings_are_checked(overrides: list[str], words: str) -> None:
+    from infinity.config import load_config
+    from infinity.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(env={}, overrides=overrides)

@@ -101,11 +101,11 @@ def metric_families(stats: dict[str, Any]) -> list[Metric]:
                 ("bytes_read", "infinity_nvme_read_bytes", CounterMetricFamily,
                  "Bytes read from an NVMe directory"),
                 ("bytes_written", "infinity_nvme_written_bytes", CounterMetricFamily,
-                 "Bytes written to an NVMe directory")):
+                 "Bytes written to an NVMe directory"),
+                ("queue_depth", "infinity_nvme_queue_depth", GaugeMetricFamily,
+                 "I/O ops submitted to an NVMe directory and not completed")):
             out.labelled(kind(name, doc, labels=["dir"]),
                          [([str(d.get("path"))], d.get(key)) for d in dirs])
-        out.gauge("infinity_nvme_queue_depth", "I/O batches submitted and not completed",
-                  nvme.get("queue_depth"))
 
     gpus = [g for g in (stats.get("tiers") or {}).get("gpu") or () if isinstance(g, dict)]
     for key, name, kind, doc in (

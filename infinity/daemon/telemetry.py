@@ -112,8 +112,7 @@ class TelemetryPublisher:
     def _tick(self) -> None:
         if self._closed:
             return
-        # The next one first, at a fixed period: a slow snapshot does not drift the stream.
-        self.loop.call_later(self.config.interval_s, self._tick)
+        began = time.monotonic()
         started = time.thread_time()
         self.seq += 1
         stats = self._snapshot()
@@ -131,6 +130,10 @@ class TelemetryPublisher:
             except Exception:  # an exporter's bug must not stop the stream
                 log.exception("telemetry exporter %r failed", exporter)
         self.cpu_s += time.thread_time() - started
+        # At a fixed period (a snapshot's own time does not drift the stream), but never
+        # sooner than the snapshot took: the loop serves requests at least half its time.
+        took = time.monotonic() - began
+        self.loop.call_later(max(self.config.interval_s - took, took), self._tick)
 
     def close(self) -> None:
         self._closed = True

@@ -285,7 +285,8 @@ def _tier_lines(stats: dict[str, Any], width: int) -> list[Text]:
             f"{len(dirs)} directories", f"queue {count(nvme.get('queue_depth'))}"], width))
         for i, d in enumerate(dirs):
             lines.append(_tier_line(f" d{i} ", d.get("used_bytes"), d.get("capacity_bytes"),
-                                    [shorten(str(d.get("path", "-")), 40)], width))
+                                    [f"queue {count(d.get('queue_depth'))}",
+                                     shorten(str(d.get("path", "-")), 40)], width))
     return lines
 
 

@@ -128,10 +128,11 @@ class AdminService:
             nvme["read_bytes_per_s"] = round(sum(d["read_bytes_per_s"] for d in nvme["dirs"]), 3)
             nvme["written_bytes_per_s"] = round(sum(d["written_bytes_per_s"]
                                                     for d in nvme["dirs"]), 3)
+            # Ops submitted and not completed, each directory's (`queue_depth`) and all; and
+            # the engine's batches (a batch stripes over the directories).
+            nvme["queue_depth"] = sum(d["queue_depth"] for d in nvme["dirs"])
             engine = self.tiers.engine
-            # Batches submitted to the engine and not completed: the tier's queue, all
-            # directories together (the engine stripes one batch over them).
-            nvme["queue_depth"] = engine.pending() if engine is not None else 0
+            nvme["batches_in_flight"] = engine.pending() if engine is not None else 0
             tiers["nvme"] = nvme
         return tiers
 
