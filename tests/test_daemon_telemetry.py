@@ -59,12 +59,14 @@ def test_the_stream_carries_both_clients_their_rates_and_the_tiers(daemon_factor
         second.put("b", torch.ones(2048), namespace="ns-b")
 
         def busy(stats: dict[str, Any]) -> bool:
-            first.put("a", torch.ones(1024), namespace="ns-a")  # traffic in every interval
+            with first.step(namespace="ns-a"):  # a step (a token, for a generating client)
+                first.put("a", torch.ones(1024), namespace="ns-a")  # traffic in every interval
             with second.get("b", namespace="ns-b"):
                 pass
             names = {c["name"]: c for c in stats["clients"]}
             return ("first" in names and "second" in names
                     and names["first"]["requests_per_s"] > 0
+                    and names["first"]["steps_per_s"] > 0
                     and names["second"]["get_bytes_per_s"] > 0
                     and stats["tiers"]["cpu"]["written_bytes_per_s"] > 0
                     and stats["tiers"]["cpu"]["read_bytes_per_s"] > 0)

@@ -141,6 +141,8 @@ def metric_families(stats: dict[str, Any]) -> list[Metric]:
              "Reads a client found resident thanks to a prefetch"),
             ("misses", "infinity_client_prefetch_misses", CounterMetricFamily,
              "Reads a client had to wait for (not resident, no prefetch under way)"),
+            ("steps", "infinity_client_steps", CounterMetricFamily,
+             "Steps a client began (a generating client: one per token)"),
             ("optimizer_items", "infinity_client_optimizer_steps", CounterMetricFamily,
              "Parameters' optimizer steps infinityd applied for a client"),
             ("optimizer_parameters", "infinity_client_optimizer_parameters", CounterMetricFamily,

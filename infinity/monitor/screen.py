@@ -152,7 +152,9 @@ def _namespaces(client: dict[str, Any]) -> str:
 
 
 FLEX_MIN = 8  # the flexible column's least width
+FLEX_WANT = 16  # ... the width columns of priority MINOR and above leave to give it
 FLEX_MAX = 24
+MINOR = 5
 
 COLUMNS = (
     Column("NAME", FLEX_MIN, _text("name"), lambda c: str(c.get("name", "")), 0, left=True,
@@ -165,6 +167,8 @@ COLUMNS = (
     Column("LEASES", 6, lambda c: count(c.get("leases")), _num("leases"), 5),
     Column("PARAM/S", 7, lambda c: count(c.get("optimizer_parameters_per_s")),
            _num("optimizer_parameters_per_s"), 6),
+    # Steps per second: a generating client's tokens per second (a forward per token).
+    Column("STEP/S", 6, lambda c: count(c.get("steps_per_s")), _num("steps_per_s"), 6),
     Column("STEPS", 6, lambda c: count(c.get("steps")), _num("steps"), 7),
     Column("NAMESPACES", 10, _namespaces, _namespaces, 8, left=True),
 )
@@ -199,9 +203,16 @@ def _fitted(columns: Sequence[Column], width: int) -> tuple[list[Column], list[i
     """The columns that fit `width`, leaving out the least important first, and their widths:
     the flexible one takes what is left (within FLEX_MIN .. FLEX_MAX), the last one the rest."""
     chosen = list(columns)
-    while len(chosen) > 2 and sum(c.width for c in chosen) + len(chosen) - 1 > width:
+
+    def room_left() -> int:
+        return width - sum(c.width for c in chosen) - (len(chosen) - 1)
+
+    while len(chosen) > 2 and room_left() < 0:
         chosen.remove(max(chosen, key=lambda c: c.priority))
-    spare = width - sum(c.width for c in chosen) - (len(chosen) - 1)
+    # A name needs room to be told apart: minor columns leave for it too.
+    while room_left() < FLEX_WANT - FLEX_MIN and max(c.priority for c in chosen) >= MINOR:
+        chosen.remove(max(chosen, key=lambda c: c.priority))
+    spare = room_left()
     widths = [max(1, min(FLEX_MAX, c.width + spare)) if c.flexible else c.width for c in chosen]
     widths[-1] += max(0, width - (sum(widths) + len(widths) - 1))
     if sum(widths) + len(widths) - 1 > width:  # a tiny terminal: halve the two left

@@ -89,6 +89,7 @@ class AdminService:
             counters[(session.id, "commit_bytes")] = c.commit_bytes
             counters[(session.id, "optimizer_items")] = c.optimizer_items
             counters[(session.id, "optimizer_parameters")] = c.optimizer_parameters
+            counters[(session.id, "steps")] = c.steps
         self.rates.sample(time.monotonic(), counters)
 
     def shutdown(self, session: Session, request_id: int, message: wire.Shutdown) -> list[Any]:
@@ -170,6 +171,9 @@ class AdminService:
             "commit_bytes_per_s": rate((session.id, "commit_bytes")),
             "optimizer_items_per_s": rate((session.id, "optimizer_items")),
             "optimizer_parameters_per_s": rate((session.id, "optimizer_parameters")),
+            # Steps begun per second: a training client's steps, and a generating client's
+            # tokens (its every forward, one per token, is a step of the daemon's trace).
+            "steps_per_s": rate((session.id, "steps")),
             **totals,
             **counters_dict(session.counters),
         }
