@@ -8,6 +8,7 @@ import socket
 import urllib.request
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,3 +91,12 @@ def test_textfile_for_node_exporter(daemon_factory: Any, tmp_path: Any) -> None:
         assert got[("infinity_clients", ())] >= 1
     finally:
         client.close()
+
+
+def test_a_port_in_use_stops_the_start_with_words(daemon_factory: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(AssertionError, match="choose a free port"):
+            daemon_factory(**{"telemetry.prometheus_port": port})
