@@ -184,7 +184,7 @@ def _totals(key: str) -> Callable[[dict[str, Any]], Any]:
 STREAM_COLUMNS = (
     Column("NAMESPACE", FLEX_MIN, _text("namespace"), _text("namespace"), 0, left=True,
            flexible=True),
-    Column("CLIENT", 12, _text("client"), _text("client"), 0, left=True),
+    Column("CLIENT", FLEX_MIN, _text("client"), _text("client"), 0, left=True, flexible=True),
     Column("STATE", 9, lambda e: str(e.get("state", "-")) if e.get("active") else "gone",
            _text("state"), 1, left=True),
     Column("STEPS", 6, lambda e: count(_totals("steps")(e)), _text("namespace"), 2),
@@ -201,7 +201,8 @@ STREAM_COLUMNS = (
 
 def _fitted(columns: Sequence[Column], width: int) -> tuple[list[Column], list[int]]:
     """The columns that fit `width`, leaving out the least important first, and their widths:
-    the flexible one takes what is left (within FLEX_MIN .. FLEX_MAX), the last one the rest."""
+    the flexible ones share what is left (each within FLEX_MIN .. FLEX_MAX), and a last column
+    of text takes the rest."""
     chosen = list(columns)
 
     def room_left() -> int:
@@ -213,8 +214,10 @@ def _fitted(columns: Sequence[Column], width: int) -> tuple[list[Column], list[i
     while room_left() < FLEX_WANT - FLEX_MIN and max(c.priority for c in chosen) >= MINOR:
         chosen.remove(max(chosen, key=lambda c: c.priority))
     spare = room_left()
-    widths = [max(1, min(FLEX_MAX, c.width + spare)) if c.flexible else c.width for c in chosen]
-    widths[-1] += max(0, width - (sum(widths) + len(widths) - 1))
+    share = spare // max(1, sum(1 for c in chosen if c.flexible))  # the flexible ones split it
+    widths = [max(1, min(FLEX_MAX, c.width + share)) if c.flexible else c.width for c in chosen]
+    if chosen[-1].left:  # a last column of text (namespaces) takes the rest of the line
+        widths[-1] += max(0, width - (sum(widths) + len(widths) - 1))
     if sum(widths) + len(widths) - 1 > width:  # a tiny terminal: halve the two left
         widths = [max(1, (width - 1) // 2)] * len(widths)
     return chosen, widths
@@ -293,7 +296,7 @@ def _tier_lines(stats: dict[str, Any], width: int) -> list[Text]:
     if isinstance(nvme, dict):
         dirs = _rows(nvme, "dirs")
         lines.append(_tier_line("nvme", nvme.get("used_bytes"), nvme.get("capacity_bytes"), [
-            f"{len(dirs)} directories", f"queue {count(nvme.get('queue_depth'))}"], width))
+            f"dirs {len(dirs)}", f"queue {count(nvme.get('queue_depth'))}"], width))
         for i, d in enumerate(dirs):
             lines.append(_tier_line(f" d{i} ", d.get("used_bytes"), d.get("capacity_bytes"),
                                     [f"queue {count(d.get('queue_depth'))}",
@@ -368,7 +371,7 @@ def frame(snapshot: Snapshot, history: Sequence[BandwidthSample] = (), *, width:
     clients = _rows(stats, "clients")
     head = Text(fit([f"infinityd {daemon.get('version', '-')}", f"pid {daemon.get('pid', '-')}",
                      f"up {duration(daemon.get('uptime_s'))}",
-                     f"{len(clients)} clients", f"{count(daemon.get('requests_per_s'))} req/s",
+                     f"clients {len(clients)}", f"{count(daemon.get('requests_per_s'))} req/s",
                      f"protocol {daemon.get('protocol', '-')}"], inner), style="bold")
     dirs = settings.get("nvme_dirs")
     setup = Text(fit([f"cpu tier {size(settings.get('cpu_budget_bytes'))}",
