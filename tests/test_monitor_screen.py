@@ -197,3 +197,23 @@ def test_the_collector_takes_the_stream_or_asks_where_there_is_none(
         assert collector.history()  # each snapshot's bandwidth is kept
     finally:
         collector.stop()
+
+
+def test_a_large_terminal_also_shows_the_streams_and_the_recent_errors() -> None:
+    stats = {**STATS, "clients": STATS["clients"][:2],
+             "scheduler": {"clients": [{"namespace": "run", "client": "rank-0", "active": True,
+                                        "state": "replaying", "trace_entries": 12,
+                                        "totals": {"steps": 3, "misses": 1}}]},
+             "recent_errors": [{"time_s": 1.7e9 + i, "code": "not_found", "client": "client 3",
+                                "message": f"no tensor 'w{i}' in namespace 'default'; put or "
+                                           f"reserve+commit it first"} for i in range(5)]}
+    lines = [line.plain for line in frame(Snapshot(0.0, stats), width=80, height=40)]
+    assert all(len(line) < 80 for line in lines) and len(lines) <= 40
+    streams = lines.index("prefetch by stream")
+    assert lines[streams + 2].split()[:5] == ["run", "rank-0", "replaying", "3", "12"]
+    errors = lines.index("recent errors")
+    assert "'w4'" in lines[errors + 1] and "'w0'" in lines[errors + 5]  # newest first
+    # A message too long for the line ends after a whole word, with an ellipsis.
+    full = "not_found client 3: no tensor 'w4' in namespace 'default'; put or reserve+commit"
+    shown = lines[errors + 1].split(" ", 1)[1]  # after the clock
+    assert shown.endswith("…") and full.startswith(shown[:-1]) and full[len(shown) - 1] == " "

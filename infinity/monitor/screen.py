@@ -12,6 +12,7 @@ markup (a client's name or a path may hold brackets).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -67,10 +68,17 @@ def duration(seconds: Any) -> str:
 
 
 def shorten(text: str, width: int) -> str:
-    """`text` in at most `width` characters; shortened ones end in an ellipsis."""
+    """`text` in at most `width` characters; shortened ones end in an ellipsis, after the last
+    whole word where the text has words (a name without spaces is cut where it must be)."""
     if len(text) <= width:
         return text
-    return text[:max(0, width - 1)] + ELLIPSIS if width > 0 else ""
+    if width <= 0:
+        return ""
+    cut = text[:width - 1]
+    space = cut.rfind(" ")
+    if space >= width // 2:
+        cut = cut[:space].rstrip()
+    return cut + ELLIPSIS
 
 
 def sparkline(values: Sequence[float], width: int) -> str:
@@ -399,16 +407,32 @@ def frame(snapshot: Snapshot, history: Sequence[BandwidthSample] = (), *, width:
     if room < 2:  # a small terminal: the clients before the bandwidth
         body = body[:2] + body[2:][:max(0, height - 2 - 2 - 3)]
         room = height - len(body) - 2
-    # Room left below the clients goes to the scheduler's streams (a large terminal, --once).
+    # Room left below the clients goes to the scheduler's streams, then to the recent errors
+    # (a large terminal, --once).
     streams = _rows(stats.get("scheduler"), "clients")
     needed = 1 + max(1, len(clients))
-    if streams and room - needed >= 3:
-        return [*body, title, *client_table(clients, width=inner, rows=needed, sort=sort),
-                Text("prefetch by stream", style="bold underline"),
-                *table(streams, STREAM_COLUMNS, width=inner, rows=room - needed - 1),
+    if room - needed < 3:
+        return [*body, title, *client_table(clients, width=inner, rows=max(0, room), sort=sort),
                 footer][:height]
-    return [*body, title, *client_table(clients, width=inner, rows=max(0, room), sort=sort),
-            footer][:height]
+    lines = [*body, title, *client_table(clients, width=inner, rows=needed, sort=sort)]
+    room -= needed
+    if streams:
+        stream_rows = min(room - 1, 1 + len(streams)) if errors else room - 1
+        lines += [Text("prefetch by stream", style="bold underline"),
+                  *table(streams, STREAM_COLUMNS, width=inner, rows=stream_rows)]
+        room -= 1 + stream_rows
+    if errors and room >= 2:
+        lines.append(Text("recent errors", style="bold underline"))
+        lines += [Text(shorten(_error_line(e), inner), style="yellow")
+                  for e in reversed(errors[-(room - 1):])]
+    return [*lines, footer][:height]
+
+
+def _error_line(error: dict[str, Any]) -> str:
+    when = error.get("time_s")
+    clock = time.strftime("%H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) \
+        else "-"
+    return f"{clock} {error.get('code', '-')} {error.get('client', '')}: {error.get('message', '')}"
 
 
 def _wrap(text: str, width: int) -> list[str]:
