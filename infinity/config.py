@@ -317,6 +317,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    """What infinityd tells about itself: the snapshot stream and the Prometheus metrics."""
+
+    # A snapshot every interval_s on the telemetry socket of the runtime folder (ZeroMQ PUB),
+    # and the rates in `stats` (requests/s, bytes/s) are over the last interval.
+    # 0: no stream and no timer; `stats` then measures rates since the previous `stats`.
+    interval_s: float = 1.0
+    # Prometheus, off by default: an HTTP endpoint on this port (0: none) ...
+    prometheus_port: int = 0
+    prometheus_address: str = "127.0.0.1"
+    # ... and/or a textfile for node_exporter's textfile collector, rewritten every interval
+    # ("": none). Both need interval_s > 0: they show the latest snapshot.
+    prometheus_textfile: str = ""
+
+    def validate(self) -> None:
+        _require(self.interval_s == 0 or self.interval_s >= 0.01,
+                 "telemetry.interval_s must be 0 (off) or at least 0.01 seconds")
+        _require(0 <= self.prometheus_port <= 65535,
+                 "telemetry.prometheus_port must be 0 (off) or a TCP port, 1 to 65535")
+        _require(bool(self.prometheus_address), "telemetry.prometheus_address must not be empty")
+        _require(not (self.prometheus_textfile or self.prometheus_port) or self.interval_s > 0,
+                 "the Prometheus metrics are the telemetry snapshots, taken every "
+                 "telemetry.interval_s; set telemetry.interval_s above 0")
+
+
+@dataclass(frozen=True)
 class InfinityConfig:
     """All settings, one table per component."""
 
@@ -325,6 +351,7 @@ class InfinityConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     source: str = "defaults"  # the file it was read from, for messages
 
     def validate(self) -> None:
@@ -333,6 +360,7 @@ class InfinityConfig:
         self.cpu.validate()
         self.daemon.validate()
         self.scheduler.validate()
+        self.telemetry.validate()
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
@@ -344,6 +372,7 @@ TABLES: dict[str, type] = {
     "cpu": CpuTierConfig,
     "daemon": DaemonConfig,
     "scheduler": SchedulerConfig,
+    "telemetry": TelemetryConfig,
 }
 
 

@@ -433,7 +433,7 @@ def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from test_monitor_top import run_top
 
-    monkeypatch.setenv("COLUMNS", "200")  # wide enough that rich does not shorten the cells
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that every column is drawn
 
     daemon = store.start()
     client = daemon.connect("trainer")
@@ -442,9 +442,8 @@ def test_infinity_top_shows_each_clients_prefetch(store: PrefetchStore,
     result = run_top(daemon.config, "--once", "--interval-s", "0.2")
     assert result.returncode == 0, result.stderr
     # The prefetch table's row: namespace, client, state, 1 step, a trace of 12 accesses.
-    rows = [line.split("│") for line in result.stdout.splitlines() if "trainer" in line]
-    cells = [[cell.strip() for cell in row] for row in rows]
-    assert any(row[1:6] == ["default", "trainer", "idle", "1", "12"] for row in cells), result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if "trainer" in line]
+    assert any(row[:5] == ["default", "trainer", "idle", "1", "12"] for row in rows), result.stdout
     client.close()
 
 

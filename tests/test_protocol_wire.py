@@ -44,6 +44,8 @@ REQUESTS: list[wire.Request] = [
     wire.NamespaceOp("grant", "job", token="t" * 32),
     wire.AdamStep("model", (wire.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0),),
                   (wire.AdamItem("w", "w.grad", "w.master", "w.exp_avg", "w.exp_avg_sq", 0, 3),)),
+    wire.DeviceReport((wire.DeviceFigures("cuda:0", 8 << 30, 1 << 30, 2 << 30, 5, 1, 2, 3, 0,
+                                          3 << 30), wire.DeviceFigures("cpu"))),
     wire.Multi.of([(78, wire.Get((wire.GetItem("ns", "w"),))),
                    (79, wire.Reserve((wire.ReserveItem("ns", "w.grad", "float32", (4,)),))),
                    (80, wire.Release((3,)))]),

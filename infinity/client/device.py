@@ -46,6 +46,7 @@ import torch
 
 from infinity.errors import (DaemonUnavailableError, ForkedClientError, InfinityError,
                              InvalidRequestError, ProtocolError, TierFullError, TooLargeError)
+from infinity.protocol import wire
 from infinity.protocol.wire import MAX_UPCOMING_ENTRIES
 
 if TYPE_CHECKING:
@@ -337,6 +338,14 @@ class DeviceCache:
         if unpin is not None:
             client.on_segment_unmap(unpin)
         self._register_segments()
+        client.report_devices(self)  # the daemon's telemetry shows this GPU tier
+
+    def device_figures(self) -> wire.DeviceFigures:
+        """This cache's figures for the daemon's telemetry (sent with the heartbeats)."""
+        s = self.stats
+        return wire.DeviceFigures(str(getattr(self.copier, "device", "cpu")), self.budget_bytes,
+                                  s.used_bytes, s.max_used_bytes, s.hits, s.inflight_hits,
+                                  s.misses, s.prefetched, s.evictions, s.copied_bytes)
 
     # --- the API ------------------------------------------------------------------
 
@@ -398,6 +407,7 @@ class DeviceCache:
         copies under way, then `clear()`, so that every CPU-tier lease it holds goes back. What
         DeviceLeases still hold stays in device memory until released."""
         self._closed = True
+        self.client.report_devices(self, report=False)
         failure: Exception | None = None
         try:
             self._collect_prefetch(use=False)  # no copy reads it: back at once, whatever follows

@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar, Union
 
 import psutil
 import torch
@@ -64,6 +64,24 @@ def as_names(names: Names) -> list[str]:
     return list(names)
 
 
+class DeviceFiguresSource(Protocol):
+    """What reports a part of the client's GPU tier (a DeviceCache)."""
+
+    def device_figures(self) -> wire.DeviceFigures: ...
+
+
+def device_report(sources: Iterable[DeviceFiguresSource]) -> wire.DeviceReport:
+    """The sources' figures, summed per device."""
+    by_device: dict[str, list[int]] = {}
+    for source in sources:
+        figures = source.device_figures().to_wire()
+        total = by_device.setdefault(figures[0], [0] * (len(figures) - 1))
+        for i, value in enumerate(figures[1:]):
+            total[i] += value
+    return wire.DeviceReport(tuple(wire.DeviceFigures(device, *values)
+                                   for device, values in sorted(by_device.items())))
+
+
 class Session:
     """The session under a `Client`: see the module docstring."""
 
@@ -95,6 +113,10 @@ class Session:
         self._segments: SegmentMap | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # The device caches of this client, whose figures ride with the heartbeats (weak: a
+        # cache dropped unclosed leaves the report by itself).
+        self._device_sources: weakref.WeakSet[DeviceFiguresSource] = weakref.WeakSet()
+        self._devices_reported = False
         try:
             channel = self._new_channel()
             reply = channel.call(next(self._request_ids), wire.Hello(
@@ -204,6 +226,11 @@ class Session:
                     return
                 channel.send(next(self._request_ids), beat, expect_reply=False,
                              releases=self._take_releases())
+                sources = list(self._device_sources)
+                if sources or self._devices_reported:  # (an empty one once, when none is left)
+                    channel.send(next(self._request_ids), device_report(sources),
+                                 expect_reply=False)
+                    self._devices_reported = bool(sources)
                 self._spares.give_back_old(call)
         except InfinityError:
             pass  # the daemon is gone or the session ended: the next call says so
@@ -252,6 +279,14 @@ class Session:
     def _view(self, placement: Placement) -> torch.Tensor:
         assert self._segments is not None
         return self._segments.view(placement)
+
+    def report_devices(self, source: DeviceFiguresSource, *, report: bool = True) -> None:
+        """Send `source`'s figures of the GPU tier with each heartbeat (for `stats` and
+        infinity-top), or, with report=False, no longer."""
+        if report:
+            self._device_sources.add(source)
+        else:
+            self._device_sources.discard(source)
 
     def on_segment_unmap(self, callback: Callable[[int, int], None]) -> None:
         """Call `callback(start, end)` before a shared-memory segment of this client is unmapped

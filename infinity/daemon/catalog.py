@@ -176,6 +176,8 @@ class _Holdings:
 
     leases: dict[int, Lease] = field(default_factory=dict)
     reservations: dict[Key, Reservation] = field(default_factory=dict)
+    held_bytes: int = 0  # of the versions its leases hold (one held twice counts twice)
+    reserved_bytes: int = 0  # of its reservations (spares included)
 
 
 def check_key(namespace: str, name: str) -> None:
@@ -215,6 +217,7 @@ class Catalog:
         self.num_exclusive = 0
         self.num_leases = 0
         self.num_held = 0  # tensors held under leases (a lease holds one or more)
+        self.leased_bytes = 0  # of the versions held by any lease, each counted once
         self.num_reservations = 0
         self.reserved_bytes = 0
         self.num_spares = 0  # of the reservations, those `renew` made
@@ -289,6 +292,12 @@ class Catalog:
         holdings = self._holdings.get(client)
         return (0, 0) if holdings is None else (len(holdings.leases), len(holdings.reservations))
 
+    def client_bytes(self, client: int) -> tuple[int, int]:
+        """(bytes its leases hold, bytes it has reserved): what the client keeps in the CPU
+        tier, kept as leases and reservations come and go."""
+        holdings = self._holdings.get(client)
+        return (0, 0) if holdings is None else (holdings.held_bytes, holdings.reserved_bytes)
+
     # --- leases -------------------------------------------------------------------
 
     def acquire(self, client: int, lease_id: int, items: Sequence[tuple[str, str, bool]]
@@ -304,6 +313,7 @@ class Catalog:
         lease: Lease | None = None
         results: list[Version | InfinityError] = []
         namespaces = self._namespaces
+        held = 0
         for namespace, name, exclusive in items:
             entries = namespaces.get(namespace)
             version = entries.get(name) if entries is not None else None
@@ -328,6 +338,9 @@ class Catalog:
                 continue
             if lease is None:
                 lease = Lease(lease_id, client, [])
+            if not version.shared and not version.exclusive:
+                self.leased_bytes += version.nbytes
+            held += version.nbytes
             if exclusive:
                 version.exclusive = client
                 self.num_exclusive += 1
@@ -341,6 +354,7 @@ class Catalog:
             results.append(version)
         if lease is not None:
             holdings.leases[lease_id] = lease
+            holdings.held_bytes += held
             self.num_leases += 1
             self.num_held += len(lease.holds)
         return lease, results
@@ -353,6 +367,7 @@ class Catalog:
         self.num_leases -= 1
         self.num_held -= len(lease.holds)
         for version, exclusive in lease.holds:
+            holdings.held_bytes -= version.nbytes  # type: ignore[union-attr]
             self._unhold(version, exclusive)
 
     def _unhold(self, version: Version, exclusive: bool) -> None:
@@ -364,6 +379,8 @@ class Catalog:
                 self._space.written(version)  # written in place: the NVMe copy is stale
         else:
             version.shared -= 1
+        if not version.shared and not version.exclusive:
+            self.leased_bytes -= version.nbytes
         self._maybe_free(version)
 
     def handed_out(self, client: int, version: Version) -> None:
@@ -383,6 +400,7 @@ class Catalog:
             if held is version:
                 del lease.holds[i]
                 self.num_held -= 1
+                holdings.held_bytes -= version.nbytes  # type: ignore[union-attr]
                 if not lease.holds:
                     del holdings.leases[lease_id]  # type: ignore[union-attr]
                     self.num_leases -= 1
@@ -390,6 +408,7 @@ class Catalog:
                     version.exclusive = 0
                     version.exclusive_handed = False
                     self.num_exclusive -= 1
+                    self.leased_bytes -= version.nbytes  # an exclusive hold is the only one
                     self._maybe_free(version)
                 else:
                     self._unhold(version, False)
@@ -412,6 +431,7 @@ class Catalog:
                                    segment_class=self.segment_class_of(namespace)) if nbytes else None
         reservation = Reservation(next(self._ids), client, key, dtype, shape, nbytes, cpu)
         holdings.reservations[key] = reservation
+        holdings.reserved_bytes += nbytes
         self.num_reservations += 1
         self.reserved_bytes += nbytes
         return reservation
@@ -435,6 +455,7 @@ class Catalog:
         reservation = Reservation(next(self._ids), client, version.key, version.dtype,
                                   version.shape, nbytes, cpu, spare=True)
         holdings.reservations[version.key] = reservation
+        holdings.reserved_bytes += nbytes
         self.num_reservations += 1
         self.reserved_bytes += nbytes
         self.num_spares += 1
@@ -451,6 +472,7 @@ class Catalog:
                 f"reserve it first")
         self.num_reservations -= 1
         self.reserved_bytes -= reservation.nbytes
+        holdings.reserved_bytes -= reservation.nbytes  # type: ignore[union-attr]
         if reservation.spare:
             assert reservation.cpu is not None  # spares are never of zero bytes
             self.num_spares -= 1
@@ -551,6 +573,7 @@ class Catalog:
             "version_bytes": self.version_bytes,
             "num_leases": self.num_leases,
             "num_leased_tensors": self.num_held,
+            "leased_bytes": self.leased_bytes,
             "num_exclusive_leases": self.num_exclusive,
             "num_reservations": self.num_reservations,
             "reserved_bytes": self.reserved_bytes,

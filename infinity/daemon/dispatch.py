@@ -69,6 +69,7 @@ class Dispatcher:
         self._socket_routes: dict[str, tuple[Decoder, SocketHandler]] = {}
         self._openers: dict[str, tuple[Decoder, SocketHandler]] = {}
         self._context = zmq.Context(io_threads=1)
+        self.context = self._context  # the daemon's one ZeroMQ context (telemetry's PUB too)
         self.router = self._context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
@@ -219,7 +220,8 @@ class Dispatcher:
             self._answer(identity, request_id, done.results, session)
 
     def _error(self, identity: bytes, request_id: int, exc: InfinityError) -> None:
-        self.counters.error(exc.code)
+        session = self.sessions.by_identity.get(identity)
+        self.counters.error(exc.code, str(exc), session.describe() if session is not None else "")
         try:
             self.router.send_multipart(
                 [identity, wire.encode_error(request_id, ItemError.of(exc))], zmq.NOBLOCK)
@@ -246,13 +248,13 @@ class Dispatcher:
             except InfinityError as exc:
                 if isinstance(exc, ProtocolError):
                     counters.malformed += 1
-                counters.error(exc.code)
+                counters.error(exc.code, str(exc), session.describe())
                 parts.append(ItemError.of(exc))
                 continue
             except Exception as exc:  # a bug: report it in place, serve the rest
                 log.exception("internal error while serving a request of a multi")
                 error = _internal(exc)
-                counters.error(error.code)
+                counters.error(error.code, str(error), session.describe())
                 parts.append(ItemError.of(error))
                 continue
             if type(result) is Deferred and result.left:

@@ -162,7 +162,7 @@ class Durability:
         if (version.nvme is not None and not version.dirty and version.cpu is not None
                 and not version.exclusive and not version.shared
                 and not self.residency.busy(version) and self._unsynced(version.nvme)):
-            version.dirty = True
+            self.residency.set_dirty(version, True)
             self.space.drop_copy(version)
 
     def _unsynced(self, copy: DiskCopy) -> bool:

@@ -76,10 +76,14 @@ class Eviction:
             replaced = resident.get(version.key)
             tensors = self.tensors
             if replaced is not None and replaced is not version:
+                if replaced.dirty:
+                    self.residency.dirty_bytes -= replaced.nbytes
                 # The version it replaces leaves the tier as far as the policy goes: a prefetch
                 # of it that nobody read was wasted, and a read of the new one is no hit of it.
                 self.policy.forget(version.key)
                 tensors.drop(version.key)
+            if replaced is not version and version.dirty:
+                self.residency.dirty_bytes += version.nbytes
             resident[version.key] = version
             self.policy.touched(version.key, version.nbytes)
             tensors.make_resident(version.key, version.nbytes)
@@ -92,7 +96,7 @@ class Eviction:
 
     def written(self, version: Version) -> None:
         """An exclusive lease that was handed out ended: the NVMe copy is stale (the catalog's hook)."""
-        version.dirty = True
+        self.residency.set_dirty(version, True)
         self.space.drop_copy(version)
 
     def touched(self, version: Version) -> None:
@@ -388,7 +392,7 @@ class Eviction:
             else:
                 version.nvme = DiskCopy(layout, edits=wb.edits,
                                         sync_failures_before=wb.sync_failures_before)
-                version.dirty = False
+                residency.set_dirty(version, False)
                 counters.writebacks += 1
                 counters.writeback_bytes += version.nbytes
                 residency.write_error = None

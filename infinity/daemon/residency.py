@@ -147,6 +147,9 @@ class Residency:
 
     def __init__(self) -> None:
         self.resident: dict[Key, Version] = {}  # current versions in the CPU tier (with NVMe only)
+        # Bytes of the resident versions that are dirty (no clean NVMe copy), kept as versions
+        # come, go and change (`set_dirty`), for the telemetry: never summed by a walk.
+        self.dirty_bytes = 0
         self.loads: dict[Version, Load] = {}
         self.writebacks: dict[Version, WriteBack] = {}
         # The last write-back failed (no NVMe room, or an I/O error): dirty tensors are not
@@ -171,14 +174,26 @@ class Residency:
         inline, on every commit.)"""
         replaced = self.resident.get(version.key)
         self.resident[version.key] = version
-        return replaced if replaced is not version else None
+        if replaced is version:
+            return None
+        self.dirty_bytes += (version.nbytes if version.dirty else 0) - (
+            replaced.nbytes if replaced is not None and replaced.dirty else 0)
+        return replaced
 
     def displace(self, version: Version) -> bool:
         """`version` left the CPU tier or stopped being current; whether it was resident."""
         if self.resident.get(version.key) is version:
             del self.resident[version.key]
+            if version.dirty:
+                self.dirty_bytes -= version.nbytes
             return True
         return False
+
+    def set_dirty(self, version: Version, dirty: bool) -> None:
+        """Every change of `version.dirty` after it is installed goes through here."""
+        if version.dirty != dirty and self.resident.get(version.key) is version:
+            self.dirty_bytes += version.nbytes if dirty else -version.nbytes
+        version.dirty = dirty
 
     def is_resident(self, version: Version) -> bool:
         return self.resident.get(version.key) is version

@@ -41,6 +41,7 @@ from infinity.daemon.residency import Residency
 from infinity.daemon.restore import restore_catalog
 from infinity.daemon.streams import StreamTable
 from infinity.daemon.tasks import LoopTaskPool
+from infinity.daemon.telemetry import TelemetryPublisher
 from infinity.daemon.tiers import TierManager
 from infinity.protocol.paths import RuntimeLayout
 
@@ -130,6 +131,17 @@ class Daemon:
         self.dispatcher.register_socket_ops(openers=self.session_service.openers(),
                                             socket_routes=self.session_service.socket_routes())
         self.dispatcher.check_complete()
+        # What the daemon tells about itself: a snapshot every telemetry.interval_s on the
+        # telemetry socket, on the dispatcher's ZeroMQ context (no second I/O thread).
+        self.telemetry = TelemetryPublisher(config.telemetry, self.loop, layout,
+                                            self.dispatcher.context, snapshot=self.admin.snapshot)
+        self.admin.telemetry = self.telemetry.describe
+        if config.telemetry.prometheus_port or config.telemetry.prometheus_textfile:
+            # Imported only when asked for: most daemons export nothing.
+            from infinity.daemon.prometheus import PrometheusExporter
+
+            self.telemetry.exporters.append(PrometheusExporter(
+                config.telemetry, run_in_worker=self.loop.run_in_worker))
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -142,6 +154,7 @@ class Daemon:
                 pass
         self.dispatcher.bind(self.layout.control_endpoint)
         os.chmod(self.layout.control_path, 0o600)
+        self.telemetry.bind()
         self.session_service.start(drain=self.dispatcher.drain)
 
     def run(self) -> None:
@@ -164,6 +177,7 @@ class Daemon:
         # answered, and nothing is freed under the engine.
         self.tiers.close()
         self.session_service.close()
+        self.telemetry.close()  # before the dispatcher, which terminates the shared context
         self.dispatcher.close()
         self.loop.close()
         self.arena.close()

@@ -1,7 +1,15 @@
-"""`infinity-top`: the node's daemon at a glance (tiers, clients, prefetch, counters), drawn with rich.
+"""`infinity-top`: the node's daemon at a glance, full screen, as `htop` shows a machine.
 
-Drawing only reads the collector's latest snapshot, so a slow or absent daemon
-never freezes the screen; a missing value is shown as "-".
+Tier usage bars, bandwidth over the last minute, prefetch hit rate and stall
+time, a sortable client table, and the daemon's version, uptime and set-up
+(`infinity.monitor.screen` draws them). A collector thread receives the daemon's
+telemetry snapshots (`infinity.monitor.collector`), so drawing never waits on
+the daemon; when none runs the screen says so, and the data comes back with
+it. Keys, read in cbreak mode: q quits, s sorts by the next column, ? helps.
+
+Not on a terminal: `--once` prints one frame, `--json` one snapshot (the
+daemon's `stats`), and output into a pipe gets a frame per interval, one below
+the other, as `top -b` does.
 """
 
 from __future__ import annotations
@@ -11,97 +19,30 @@ import io
 import json
 import math
 import os
+import select
 import sys
+import termios
 import time
+import tty
 from typing import Any, Sequence
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
-from infinity.config import MiB, load_config
+from infinity.config import InfinityConfig, load_config
 from infinity.errors import InfinityError
-from infinity.monitor.collector import Snapshot, StatsCollector
+from infinity.monitor.collector import Snapshot, StatsCollector, TelemetryCollector
+from infinity.monitor.screen import SORTS, frame, render_text
+
+KEY_WAIT_S = 0.25  # how long the screen waits for a key before looking for a new snapshot
+REDRAW_S = 1.0  # a frame at least this often (the uptime moves) even if nothing else did
+ONCE_HEIGHT = 200  # --once and the pipe: a frame this tall at most (clients beyond are counted)
 
 
-def _mib(value: Any) -> str:
-    return f"{value / MiB:,.1f} MiB" if isinstance(value, (int, float)) else "-"
-
-
-def _table(value: Any, key: str) -> dict[str, Any]:
-    """value[key] when both are tables, else an empty one: a value missing or of another kind
-    (an older or newer daemon) shows as "-", never as an error."""
-    inner = value.get(key) if isinstance(value, dict) else None
-    return inner if isinstance(inner, dict) else {}
-
-
-def _rows(value: Any, key: str) -> list[dict[str, Any]]:
-    inner = value.get(key) if isinstance(value, dict) else None
-    return ([row for row in inner if isinstance(row, dict)] if isinstance(inner, (list, tuple))
-            else [])
-
-
-def render(snapshot: Snapshot) -> Group:
-    if snapshot.error is not None:
-        return Group(Text(f"infinityd: {snapshot.error}", style="yellow"))
-    stats = snapshot.stats if isinstance(snapshot.stats, dict) else {}
-    daemon = _table(stats, "daemon")
-    # Data is never markup: a client's name or a path may hold brackets.
-    head = Text.assemble(("infinityd", "bold"), f" {daemon.get('version', '-')}  pid "
-                         f"{daemon.get('pid', '-')}  up {daemon.get('uptime_s', '-')} s  "
-                         f"{daemon.get('runtime_dir', '-')}")
-    tiers = Table(title="tiers")
-    for column in ("tier", "used", "budget / capacity", "detail"):
-        tiers.add_column(column)
-    cpu = _table(_table(stats, "tiers"), "cpu")
-    tiers.add_row("cpu", _mib(cpu.get("used_bytes")), _mib(cpu.get("budget_bytes")),
-                  f"{cpu.get('num_segments', '-')} segments, {cpu.get('resident_tensors', '-')} resident")
-    nvme = _table(stats, "tiers").get("nvme")
-    if isinstance(nvme, dict):
-        dirs = nvme.get("dirs")
-        tiers.add_row("nvme", _mib(nvme.get("used_bytes")), _mib(nvme.get("capacity_bytes")),
-                      f"{len(dirs) if isinstance(dirs, (list, tuple)) else '-'} directories")
-    clients = Table(title="clients")
-    for column in ("id", "name", "pid", "leases", "reservations", "idle s"):
-        clients.add_column(column)
-    for c in _rows(stats, "clients"):
-        clients.add_row(*(Text(str(c.get(k, "-")))
-                          for k in ("id", "name", "pid", "leases", "reservations", "idle_s")))
-    parts: list[Any] = [head, tiers, clients]
-    scheduler = stats.get("scheduler")
-    if isinstance(scheduler, dict):
-        parts.append(_scheduler_table(scheduler))
-    counters = _table(stats, "counters")
-    totals = Table(title="counters")
-    totals.add_column("counter")
-    totals.add_column("value")
-    for key in ("requests", "items", "bytes_leased", "bytes_committed", "deferred_replies", "malformed"):
-        totals.add_row(key, str(counters.get(key, "-")))
-    parts.append(totals)
-    return Group(*parts)
-
-
-def _scheduler_table(scheduler: dict[str, Any]) -> Table:
-    """One row per client stream: its trace, where it finds its data, and how long it waited."""
-    bandwidth = scheduler.get("read_bandwidth_bytes_per_s")
-    title = "prefetch" + (f" (disk reads at {_mib(bandwidth)}/s)" if bandwidth else "")
-    table = Table(title=title)
-    for column in ("namespace", "client", "state", "steps", "trace", "hits", "in flight",
-                   "misses", "stall s", "lookahead"):
-        table.add_column(column)
-    for entry in _rows(scheduler, "clients"):
-        totals = _table(entry, "totals")
-        hits = (totals.get("prefetch_hits", 0) or 0) + (totals.get("resident_hits", 0) or 0)
-        stall = totals.get("stall_s")
-        table.add_row(Text(str(entry.get("namespace", "-"))), Text(str(entry.get("client", "-"))),
-                      Text(str(entry.get("state", "-")) + ("" if entry.get("active") else " (gone)")),
-                      str(totals.get("steps", "-")), str(entry.get("trace_entries", "-")),
-                      str(hits), str(totals.get("inflight_hits", "-")),
-                      str(totals.get("misses", "-")),
-                      f"{stall:.3f}" if isinstance(stall, (int, float)) else "-",
-                      _mib(entry.get("lookahead_bytes")))
-    return table
+def render(snapshot: Snapshot, *, width: int = 120) -> Text:
+    """One frame of `snapshot` for printing (no bandwidth history: one snapshot has none)."""
+    return render_text(frame(snapshot, width=width, height=ONCE_HEIGHT))
 
 
 def _positive_seconds(text: str) -> float:
@@ -119,42 +60,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="TOML config file (as for infinityd)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="override one setting, e.g. --set daemon.runtime_dir=/run/x (repeatable)")
-    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     parser.add_argument("--interval-s", type=_positive_seconds, default=1.0,
-                        help="between snapshots; where the output is not a terminal, each one is "
-                             "printed below the last")
+                        help="where the output is not a terminal, a frame is printed this often, "
+                             "each below the last")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, overrides=args.overrides)
     except InfinityError as exc:
         print(f"infinity-top: {exc}", file=sys.stderr)
         return 2
-    collector = StatsCollector(config, interval_s=args.interval_s)
     if args.json or args.once:
-        snapshot = collector.poll_once()
+        snapshot = StatsCollector(config).poll_once()
         if args.json:
             print(json.dumps({"taken_at_s": snapshot.taken_at_s, "error": snapshot.error, "stats": snapshot.stats}))
         else:
-            Console().print(render(snapshot))
+            console = Console()
+            console.print(render(snapshot, width=console.width))
         return 1 if snapshot.error else 0
-    collector.start()
     try:
         if not sys.stdout.isatty():
-            return _print_snapshots(collector, interval_s=args.interval_s)
-        with Live(render(collector.wait_first(5.0)), refresh_per_second=4, screen=True) as live:
-            while True:
-                time.sleep(args.interval_s / 4)
-                live.update(render(collector.latest()))
+            return _print_snapshots(config, interval_s=args.interval_s)
+        return _full_screen(config)
     except KeyboardInterrupt:
         return 0
+
+
+def _full_screen(config: InfinityConfig) -> int:
+    collector = TelemetryCollector(config).start()
+    keys = sys.stdin.fileno() if sys.stdin.isatty() else None
+    saved = termios.tcgetattr(keys) if keys is not None else None
+    try:
+        if keys is not None:
+            tty.setcbreak(keys)  # keys one by one, unechoed; Ctrl-C still interrupts
+        console = Console()
+        sort, help_shown = 0, False
+        drawn: tuple[Any, ...] = ()
+        drawn_at = 0.0
+        with Live(console=console, screen=True, auto_refresh=False, transient=True) as live:
+            while True:
+                snapshot = collector.latest()
+                state = (id(snapshot), console.size, sort, help_shown)
+                if state != drawn or time.monotonic() - drawn_at >= REDRAW_S:
+                    width, height = console.size
+                    live.update(render_text(frame(snapshot, collector.history(), width=width,
+                                                  height=height, sort=SORTS[sort],
+                                                  help=help_shown)), refresh=True)
+                    drawn, drawn_at = state, time.monotonic()
+                if keys is None:
+                    time.sleep(KEY_WAIT_S)
+                    continue
+                if not select.select([keys], [], [], KEY_WAIT_S)[0]:
+                    continue
+                key = os.read(keys, 1)
+                if key in (b"q", b"Q"):
+                    return 0
+                if help_shown:  # any other key leaves the help
+                    help_shown = False
+                elif key == b"s":
+                    sort = (sort + 1) % len(SORTS)
+                elif key == b"?":
+                    help_shown = True
     finally:
+        if saved is not None and keys is not None:
+            termios.tcsetattr(keys, termios.TCSADRAIN, saved)
         collector.stop()
 
 
-def _print_snapshots(collector: StatsCollector, *, interval_s: float) -> int:
+def _print_snapshots(config: InfinityConfig, *, interval_s: float) -> int:
     """Output to a pipe or a file: a full-screen display shows nothing there, so each new
     snapshot is printed below the last, once per interval, as `top -b` does."""
+    collector = StatsCollector(config, interval_s=interval_s).start()
     snapshot = collector.wait_first(5.0)
     try:
         while True:
@@ -169,6 +146,8 @@ def _print_snapshots(collector: StatsCollector, *, interval_s: float) -> int:
         # Python flushes stdout again at exit; on the closed pipe that would print an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        collector.stop()
 
 
 if __name__ == "__main__":

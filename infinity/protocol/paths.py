@@ -37,6 +37,15 @@ class RuntimeLayout:
         return "ipc://" + self.control_path
 
     @property
+    def telemetry_path(self) -> str:
+        """The daemon's telemetry stream (ZeroMQ PUB): one snapshot per `telemetry.interval_s`."""
+        return os.path.join(self.root, "telemetry.sock")
+
+    @property
+    def telemetry_endpoint(self) -> str:
+        return "ipc://" + self.telemetry_path
+
+    @property
     def fds_path(self) -> str:
         return os.path.join(self.root, "fds.sock")
 
@@ -75,7 +84,7 @@ class RuntimeLayout:
 
     def check(self) -> None:
         """ConfigError when a socket path would not fit a Unix socket address."""
-        for path in (self.control_path, self.fds_path):
+        for path in (self.control_path, self.fds_path, self.telemetry_path):
             if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
                 raise ConfigError(
                     f"daemon.runtime_dir {self.root!r} is too long: the socket path {path!r} must "

@@ -218,6 +218,7 @@ class NvmeDirectory:
         # Counters, kept as I/O is submitted (the monitor reads them per directory).
         self.bytes_read = 0
         self.bytes_written = 0
+        self.ops_in_flight = 0  # submitted, batch not completed: the directory's queue
 
     def _open(self, direct_setting: str) -> tuple[bool, str]:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -399,6 +400,7 @@ class NvmeTier:
         self.staged_writes = staged_writes
         self.stripe_bytes = config.stripe_bytes
         self._lock = threading.Lock()
+        self._queue_lock = threading.Lock()  # the directories' ops_in_flight
         # fdatasyncs of the store's files that failed so far (counted by the index's writer
         # thread). Linux reports a failed write-back once: the next fdatasync succeeds though
         # the bytes written before the failure may never reach the disk, so a copy written
@@ -569,6 +571,23 @@ class NvmeTier:
                                                          else self.staged_reads)))
         return ops
 
+    def _submit(self, ops: list[IOOp], *, keepalive: object) -> IOFuture:
+        """Submit a batch, counted in each directory's queue until it completes."""
+        future = self.engine.submit(ops, keepalive=keepalive)
+        by_fd = {d.fd: d for d in self.directories}
+        queued = [by_fd[op.fd] for op in ops]
+        with self._queue_lock:
+            for directory in queued:
+                directory.ops_in_flight += 1
+
+        def done(_: IOFuture) -> None:  # (in whichever thread resolves the batch)
+            with self._queue_lock:
+                for directory in queued:
+                    directory.ops_in_flight -= 1
+
+        future.add_done_callback(done)
+        return future
+
     def write_from(self, address: int, nbytes: int, *, layout: TensorLayout | None = None,
                    keepalive: Sequence[object] = ()) -> NvmeWrite:
         """Write `nbytes` from a 4 KiB-aligned buffer readable up to nbytes rounded up to 4 KiB
@@ -586,7 +605,7 @@ class NvmeTier:
         try:
             # The future holds the buffers too, so a caller that drops the NvmeWrite cannot
             # free them under the I/O.
-            future = self.engine.submit(ops, keepalive=(*keepalive, crcs))
+            future = self._submit(ops, keepalive=(*keepalive, crcs))
         except BaseException:
             on_failure()
             raise
@@ -611,7 +630,7 @@ class NvmeTier:
         ops = self._ops(self._pieces(layout, offset_bytes, stop), address - offset_bytes,
                         is_write=True, crc_address=_address_of(crcs) + 4 * first_block,
                         first_block=first_block)
-        return self.engine.submit(ops, keepalive=crcs)
+        return self._submit(ops, keepalive=crcs)
 
     def _check_range(self, layout: TensorLayout, address: int, offset_bytes: int, nbytes: int) -> int:
         """Validate a partial transfer; returns where it stops (the end rounded to 4 KiB at the
@@ -663,7 +682,7 @@ class NvmeTier:
         expected = crc_buffer(layout.crcs[first_block:last_block])
         ops = self._ops(self._pieces(layout, offset_bytes, stop), address - offset_bytes,
                         is_write=False, crc_address=_address_of(expected), first_block=first_block)
-        return self.engine.submit(ops, keepalive=expected)
+        return self._submit(ops, keepalive=expected)
 
     def read_tensor(self, layout: TensorLayout, out: "torch.Tensor") -> None:
         """Read a whole tensor into `out` (any CPU tensor of exactly `layout.nbytes` bytes), blocking."""
@@ -699,6 +718,7 @@ class NvmeTier:
             "used_bytes": d.allocator.used_bytes,
             "bytes_read": d.bytes_read,
             "bytes_written": d.bytes_written,
+            "queue_depth": d.ops_in_flight,
         } for d in self.directories]
 
     def close(self) -> None:

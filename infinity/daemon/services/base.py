@@ -17,6 +17,8 @@ that it is counted. Handlers never see the socket.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
@@ -60,6 +62,9 @@ class Deferred:
             self.deliver(self)
 
 
+RECENT_ERRORS = 32  # errors kept for `stats` and the monitor
+RECENT_ERROR_CHARS = 300  # of each one's message
+
 Result = Union[list[Any], Packed, Deferred, None]
 # (session, request id, decoded request) -> Result
 Handler = Callable[[Session, int, Any], Result]
@@ -84,12 +89,17 @@ class DaemonCounters:
     bytes_committed: int = 0
     parked_requests: int = 0
     deferred_replies: int = 0  # answered after work off the loop (loads, flushes, index)
+    # The last RECENT_ERRORS errors answered, newest last: {time_s, code, message, client}.
+    recent_errors: deque[dict[str, Any]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_ERRORS))
 
-    def error(self, code: str) -> None:
+    def error(self, code: str, message: str = "", client: str = "") -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
+        self.recent_errors.append({"time_s": round(time.time(), 3), "code": code,
+                                   "message": message[:RECENT_ERROR_CHARS], "client": client})
 
     def item_error(self, session: Session, exc: InfinityError) -> ItemError:
         """A failed item's result, counted for the session and the daemon."""
         session.counters.errors += 1
-        self.error(exc.code)
+        self.error(exc.code, str(exc), session.describe())
         return ItemError.of(exc)

@@ -55,7 +55,8 @@ class SessionService:
         self._skipped_sweep = False
 
     def routes(self) -> Routes:
-        return {wire.Heartbeat: self.heartbeat, wire.Bye: self.bye}
+        return {wire.Heartbeat: self.heartbeat, wire.Bye: self.bye,
+                wire.DeviceReport: self.device_report}
 
     def openers(self) -> dict[type, SocketHandler]:
         """The requests a socket without a session may send."""
@@ -127,6 +128,11 @@ class SessionService:
                message: wire.Detach) -> None:
         assert session is not None
         self.sessions.detach(session, identity)
+
+    def device_report(self, session: Session, request_id: int,
+                      message: wire.DeviceReport) -> None:
+        session.devices = message.devices  # shown by `stats` and the telemetry
+        return None
 
     def heartbeat(self, session: Session, request_id: int, message: wire.Heartbeat) -> None:
         session.counters.heartbeats += 1

@@ -410,8 +410,11 @@ class OptimizerService:
             self._start_more()
             return
         if error is None:
+            numel = _numel(item.versions[0])
             self.steps += 1
-            self.elements += _numel(item.versions[0])
+            self.elements += numel
+            job.session.counters.optimizer_items += 1
+            job.session.counters.optimizer_parameters += numel
         elif not isinstance(error, InfinityError):
             log.exception("the optimizer step of %r failed", item.item.param, exc_info=error)
             error = InfinityError(f"infinityd failed on the step of parameter "

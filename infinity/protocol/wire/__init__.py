@@ -46,6 +46,8 @@ then `wire.Get`, `wire.encode_request`, `wire.PROTOCOL_VERSION`. Its modules, by
     results     ItemError and the result schemas (Welcome, Placement, StreamInfo, ...)
     replies     reply encoding and decoding, a multi's reply split per request
     fdchannel   the fd channel's FdRequest and FdReply
+    telemetry   the telemetry stream's TelemetrySnapshot (published, never requested), and
+                DeviceReport (a client's GPU tier, sent with its heartbeats)
 """
 
 from .adam import AdamGroup, AdamItem, AdamStep
@@ -68,6 +70,8 @@ from .results import (STEP_OUTCOMES, ItemError, NamespaceInfo, Placement, StepRe
                       TensorInfo, Welcome, decode_bool, decode_flush_summary, decode_infos,
                       decode_none, decode_renewed, decode_stats, decode_verify_summary,
                       decode_version)
+from .telemetry import (TELEMETRY_SECTIONS, TELEMETRY_VERSION, DeviceFigures, DeviceReport,
+                        TelemetrySnapshot)
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_PID", "MAX_MESSAGE_BYTES", "MAX_ITEMS", "MAX_STR_BYTES",
@@ -85,5 +89,6 @@ __all__ = [
     "decode_infos", "decode_stats", "decode_flush_summary", "decode_verify_summary", "Result", "Reply", "encode_reply",
     "pack_result", "encode_packed_reply", "encode_results", "encode_packed_results",
     "encode_multi_reply", "split_multi_reply", "encode_error", "decode_reply", "split_reply",
-    "decode_results", "SegmentInfo", "FdRequest", "FdReply",
+    "decode_results", "SegmentInfo", "FdRequest", "FdReply", "TELEMETRY_VERSION",
+    "TELEMETRY_SECTIONS", "TelemetrySnapshot", "DeviceFigures", "DeviceReport",
 ]

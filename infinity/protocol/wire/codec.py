@@ -22,7 +22,8 @@ PROTOCOL_VERSION = 9  # 2: placements carry `edits`; ops get_ahead and upcoming;
 # (several requests in one message, answered in one reply) and adam_step (the optimizer's step);
 # 8: adam_step's steps of several parts, applied all or none, and their records; 9: access
 # control: hello carries the daemon's secret, namespaces may be private (a grant token, the
-# namespace op's `grant`), and namespace info says so and names the owner's uid; op verify
+# namespace op's `grant`), and namespace info says so and names the owner's uid; op verify;
+# op device_report (a client's GPU tier, for the telemetry)
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Sequence, Union
 from infinity.errors import InvalidRequestError, ProtocolError
 
 from .adam import AdamStep
+from .telemetry import DeviceReport
 from .codec import (MAX_ITEMS, MAX_MESSAGE_BYTES, _SEQ, _bad, _is_lease_id, _list, _pack, _short,
                     _unpack)
 from .requests import (Abort, Attach, Bye, Commit, CommitDurable, CommitRenew, Delete, Detach,
@@ -94,15 +95,15 @@ class Multi:
 Request = Union[Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit,
                 CommitRenew, CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch,
                 Delete, Exists, ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep,
-                Verify]
+                Verify, DeviceReport]
 
 REQUESTS: dict[str, Any] = {cls.OP: cls for cls in (
     Hello, Attach, Detach, Heartbeat, Bye, Stats, Shutdown, Get, Release, Reserve, Commit, CommitRenew,
     CommitDurable, FlushStore, StreamOpen, StreamChunk, StreamClose, Abort, Prefetch, Delete, Exists,
-    ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep, Verify)}
+    ListTensors, Step, GetAhead, Upcoming, NamespaceOp, Multi, AdamStep, Verify, DeviceReport)}
 
 # Operations the daemon never answers (a client must not wait for them).
-NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach"})
+NO_REPLY_OPS = frozenset({"heartbeat", "release", "prefetch", "bye", "detach", "device_report"})
 
 
 def encode_request(request_id: int, message: Request, releases: Sequence[int] = ()) -> bytes:
