@@ -34,7 +34,13 @@ from infinity.protocol.wire import ItemError, Placement
 Names = Union[str, Sequence[str]]
 _SessionT = TypeVar("_SessionT", bound="Session")
 
-_LIVE_SESSIONS: weakref.WeakSet[Session] = weakref.WeakSet()
+# Every session not closed yet, held strongly: one dropped without close() stays open until it
+# is closed at exit. Were it left to the garbage collector, a session in a reference cycle (once
+# its heartbeat thread ended: the daemon went away) would be finalized together with its zmq
+# context and sockets in one pass, in no set order; the collector clears the weak references
+# first, so the context's destroy() no longer sees the sockets still open and its term() waits
+# for them forever (seen: a later gc.collect() in transformers.Trainer hung the test suite).
+_LIVE_SESSIONS: set[Session] = set()
 # Released shared leases wait for the next message up to this many, then go at once.
 MAX_PENDING_RELEASES = 4096
 PUT_STRIPES = 64  # locks that puts of one name from several threads take in turn
