@@ -98,6 +98,15 @@ def test_waiting_for_steps_waits_for_another_clients_step_in_the_namespace(
     trainer, other = daemon.connect("trainer"), daemon.connect("restarted")
     states = {f"p{i}": store_state(trainer, f"p{i}", 100 + i, seed=i) for i in range(6)}
     trainer.adam_stepper().send([GROUP], [item(name) for name in states])
+    # The step went on the stepper's own socket, which nothing orders with `other`'s: wait
+    # until the daemon has it (queued, running or done), then ask.
+
+    def step_received() -> bool:
+        figures = other.stats()["optimizer"]
+        return sum(figures[key] for key in ("requests_queued", "items_running",
+                                            "items_stepped", "steps_unsettled")) > 0
+
+    wait_until(step_received, timeout_s=10, what="the daemon to receive the trainer's step")
     other.wait_for_steps(namespace="default")  # about 0.3 s of items behind it
     for name, state in states.items():
         reference_step(state, 1)
