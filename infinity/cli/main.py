@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="steps of the training part, a small GPT-2 with its state on NVMe "
                       "(default 30; 0 leaves it out)")
 
-    verify = sub.add_parser("verify", help="check every flushed tensor's checksums (offline: stop "
-                            "infinityd first); exit status 1 if any is corrupted")
+    verify = sub.add_parser("verify", help="check every flushed tensor's checksums (offline, or "
+                            "by the infinityd serving the store); exit status 1 if any is "
+                            "corrupted")
     _add_config_flags(verify)
     verify.add_argument("--json", action="store_true", help="print a JSON report")
 

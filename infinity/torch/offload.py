@@ -206,6 +206,7 @@ class OffloadState:
         self.device_type = "cpu"  # where parameters present are, for the saved-tensor hook
         # Set by `offload` for a rank of a torch.distributed job (see `offload`'s process_group).
         self.ranks: NodeRanks | None = None
+        self.batch_limit_bytes = 1  # the most bytes `offload` and `zero_grad` put in one batch
 
     # --- presence -------------------------------------------------------------------------
 
@@ -392,9 +393,8 @@ class OffloadState:
 
     def _write_zero_gradients(self) -> None:
         """Put zeros as every trainable parameter's stored gradient (the node's leader, at
-        `zero_grad`: the node's ranks add into them), in batches of at most an eighth of the
-        CPU tier."""
-        batch_limit = max(1, int(self.client.stats()["tiers"]["cpu"]["budget_bytes"]) // 8)
+        `zero_grad`: the node's ranks add into them), in batches as `offload` uploads."""
+        batch_limit = self.batch_limit_bytes
         dtype = self.config.grad_dtype
         batch: dict[str, torch.Tensor] = {}
         batch_bytes = 0
@@ -674,6 +674,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     # large for that goes alone, streamed through the tier in pieces.
     tier_bytes = int(client.stats()["tiers"]["cpu"]["budget_bytes"])
     batch_limit = max(1, tier_bytes // 8)
+    state.batch_limit_bytes = batch_limit
     upload: dict[str, torch.Tensor] = {}
     upload_bytes = 0
     for name, param in model.named_parameters():  # tied parameters come once, first name
