@@ -203,6 +203,9 @@ class DaemonConfig:
     # stream, its slots): past them a hello or a stream_open gets a LimitExceededError.
     max_clients: int = 1024
     max_streams_per_client: int = 1024
+    # Requests of one client whose replies wait for work off the loop (a get waiting for its
+    # load, a stream chunk, a wait for steps): past it, the next request is refused at once.
+    max_pending_requests_per_client: int = 4096
 
     def validate(self) -> None:
         _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
@@ -219,6 +222,8 @@ class DaemonConfig:
         _require(self.max_clients >= 1, "daemon.max_clients must be at least 1")
         _require(self.max_streams_per_client >= 1,
                  "daemon.max_streams_per_client must be at least 1")
+        _require(self.max_pending_requests_per_client >= 1,
+                 "daemon.max_pending_requests_per_client must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,8 @@ class QuotaExceededError(StoreError):
 
 class LimitExceededError(StoreError):
     """A client asked for more than the daemon gives anyone: more sessions than
-    `daemon.max_clients`, more open streams than `daemon.max_streams_per_client`. Bounds that
+    `daemon.max_clients`, more open streams than `daemon.max_streams_per_client`, more requests
+    waiting for their replies than `daemon.max_pending_requests_per_client`. Bounds that
     keep one client from growing the daemon's memory or open files without limit."""
 
     code = "limit_exceeded"

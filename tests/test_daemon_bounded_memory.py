@@ -16,6 +16,7 @@ from conftest import wait_until
 from infinity.errors import LimitExceededError, NotFoundError
 from infinity.protocol import wire
 from infinity.protocol.paths import RuntimeLayout
+from test_daemon_optimizer import GROUP, item, read, reference_step, store_state
 
 
 def anonymous_mib(pid: int) -> float:
@@ -103,3 +104,25 @@ def test_a_stream_past_daemon_max_streams_per_client_is_refused_and_others_go_on
     finally:
         sock.close()
         context.term()
+
+
+def test_a_request_past_daemon_max_pending_requests_per_client_is_refused_at_once(
+        daemon_factory: Any) -> None:
+    # Each optimizer step's item waits 0.1 s in the daemon (a debug setting), so its reply
+    # stays pending that long: three steps sent at once hold three pending replies.
+    daemon = daemon_factory(**{"daemon.max_pending_requests_per_client": 3,
+                               "daemon.debug_step_delay_s": 0.1})
+    client = daemon.connect("pipelining")
+    states = {f"p{i}": store_state(client, f"p{i}", 13 + 2 * i, seed=i) for i in range(5)}
+    stepper = client.adam_stepper()
+    pending = [stepper.send([GROUP], [item(f"p{i}")]) for i in range(4)]
+    with pytest.raises(LimitExceededError, match="daemon.max_pending_requests_per_client"):
+        pending[3].result()
+    for step in pending[:3]:
+        step.result()
+    stepper.send([GROUP], [item("p4")]).result()  # answered replies no longer count
+    for name in ("p0", "p1", "p2", "p4"):
+        reference_step(states[name], 1)
+    for name, state in states.items():  # p3's step was refused whole: p3 is as it was
+        assert torch.equal(read(client, name), state["param"]), name
+    client.close()

@@ -29,7 +29,7 @@ from infinity.daemon.loop import EventLoop
 from infinity.daemon.services.base import (DaemonCounters, Deferred, Handler, Packed, Routes,
                                            SocketHandler)
 from infinity.daemon.sessions import Session, Sessions
-from infinity.errors import InfinityError, ProtocolError
+from infinity.errors import InfinityError, LimitExceededError, ProtocolError
 from infinity.protocol import wire
 from infinity.protocol.wire import ItemError
 
@@ -56,8 +56,10 @@ class Dispatcher:
     """The ROUTER socket, the op registry, and the sending of every reply."""
 
     def __init__(self, loop: EventLoop, sessions: Sessions, counters: DaemonCounters, *,
-                 release: ReleaseIds, guard: Guard = lambda session, message: None) -> None:
+                 release: ReleaseIds, guard: Guard = lambda session, message: None,
+                 max_pending_per_client: int = 4096) -> None:
         self.loop = loop
+        self._max_pending = max_pending_per_client
         # Refuses a request the session may not make (a private namespace it was not granted),
         # before its handler runs; every request of a multi is checked on its own.
         self._guard = guard
@@ -167,6 +169,11 @@ class Dispatcher:
             session.counters.requests += 1
             if envelope.releases:
                 self._release(session, envelope.releases)
+            if session.pending_replies >= self._max_pending:
+                raise LimitExceededError(
+                    f"{session.pending_replies} requests of this client are waiting for their "
+                    f"replies (daemon.max_pending_requests_per_client); wait for replies before "
+                    f"sending more")
             route = self._routes.get(op)
             if route is not None:
                 decode, handle = route
@@ -199,7 +206,9 @@ class Dispatcher:
         elif kind is Deferred:
             assert session is not None
             if result.left:
-                result.deliver = lambda done: self._deliver(identity, request_id, done, session)
+                session.pending_replies += 1
+                result.deliver = lambda done: self._deliver_pending(identity, request_id, done,
+                                                                    session)
             else:
                 self._deliver(identity, request_id, result, session)
             return
@@ -214,6 +223,11 @@ class Dispatcher:
             self.router.send(data, _NOBLOCK)
         except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: it will time out
             log.debug("reply %d not sent: %s", request_id, exc)
+
+    def _deliver_pending(self, identity: bytes, request_id: int, done: Deferred,
+                         session: Session) -> None:
+        session.pending_replies -= 1
+        self._deliver(identity, request_id, done, session)
 
     def _deliver(self, identity: bytes, request_id: int, done: Deferred, session: Session) -> None:
         if session.alive:  # a client that went away gets nothing

@@ -123,7 +123,9 @@ class Daemon:
         # --- the dispatcher: every op to its service's handler ---
         self.dispatcher = Dispatcher(self.loop, self.sessions, self.counters,
                                      release=self.data.release_ids,
-                                     guard=self.namespaces.check_request)
+                                     guard=self.namespaces.check_request,
+                                     max_pending_per_client=(
+                                         config.daemon.max_pending_requests_per_client))
         self.verifier = VerifyService(self.catalog, self.tiers.nvme, self.counters)
         for service in (self.session_service, self.data, self.stream_service, self.steps,
                         self.namespace_service, self.optimizer, self.verifier, self.admin):

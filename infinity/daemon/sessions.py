@@ -80,6 +80,9 @@ class Session:
     retired_pending: set[int] = field(default_factory=set)
     counters: ClientCounters = field(default_factory=ClientCounters)
     alive: bool = True
+    # Its requests whose replies wait for work off the loop (Deferred): bounded by
+    # daemon.max_pending_requests_per_client.
+    pending_replies: int = 0
     # The scheduler's streams of this client, by tensor namespace: (namespace, client name),
     # or a name with a "#<session id>" suffix while another live session holds that stream.
     streams: dict[str, StreamKey] = field(default_factory=dict)
