@@ -35,10 +35,12 @@ def test_a_short_fuzz_leaves_the_daemon_serving_and_every_reference_tensor_intac
 
 
 def test_a_short_soak_loses_nothing_through_kills_and_eviction(disk_tmp: str) -> None:
-    report = run_tool("soak.py", "--duration-s", "8", "--kill-every-s", "1", "--cpu-budget-mib",
-                      "4", "--dir", disk_tmp)
+    # --min-kills: on a busy machine the four clients (each importing torch) can take the whole
+    # 8 s to start, and a client is killed only once past its start check.
+    report = run_tool("soak.py", "--duration-s", "8", "--kill-every-s", "1", "--min-kills", "2",
+                      "--cpu-budget-mib", "4", "--dir", disk_tmp)
     assert report["daemon_alive"] and report["worker_failures"] == 0, report
-    assert report["kills"] >= 1, report
+    assert report["kills"] >= 2, report
     assert report["checked"] > 0, report
     assert report["lost"] == report["wrong"] == report["wrong_reads"] == 0
     assert report["tier_counters"]["evictions"] > 0 and report["tier_counters"]["reloads"] > 0
