@@ -19,6 +19,15 @@ The core moves bytes by address (`write_from`, `write_part`, `read_into`) and
 keeps checksums in `array.array` buffers, so infinityd uses it without
 importing torch; only the `*_tensor` conveniences load torch.
 
+Buffered I/O (no O_DIRECT) meets one more trap: on ext4 (seen on Linux 6.18), once
+the write-back of cached pages failed, bytes written over those pages again are
+lost though the next fdatasync succeeds (the pages keep a state in which the
+preallocated blocks under them are never marked written). So the cached pages
+of freed extents are dropped before the extents can be handed out again, and
+an extent file's whole cache when it is opened (`forget_cached_pages`). Pages
+still in use stay: after a failed write-back, the cache may hold the only good
+copy of a tensor not yet durable, which a read can still bring back.
+
 Space: `allocate` hands out extents and, by default, grows a directory's
 extent file on the spot (`fallocate`). The daemon's loop must not wait on
 the file system, so it passes `grow=False`, gets `GrowthNeeded` instead, runs
@@ -212,6 +221,8 @@ class NvmeDirectory:
                 f"{self.file_path} has a size that is not a multiple of 4096; it was not written "
                 f"by Infinity: move it away")
         self.opened_bytes = size  # the file's size when opened: 0 if this just created it
+        if not self.direct:
+            self.forget_cached_pages(0, 0)  # a daemon before may have met failed write-backs
         self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
         self._grow_lock = threading.Lock()  # one fallocate at a time per file
         self.keeps_index_room = index == 0  # set by the tier: on the index's file system
@@ -239,6 +250,17 @@ class NvmeDirectory:
         if direct_setting == "off":
             return False, "buffered: nvme.direct = off"
         return False, "buffered: the file system refuses O_DIRECT (tmpfs or ramfs?), pread/pwrite pool"
+
+    def forget_cached_pages(self, offset_bytes: int, nbytes: int) -> None:
+        """Drop the extent file's clean cached pages in [offset, offset + nbytes) (0 bytes: to
+        the end): pages whose write-back failed must not be written over (see the module
+        docstring). Buffered files only; best effort; any thread."""
+        if self.direct:
+            return
+        try:
+            os.posix_fadvise(self.fd, offset_bytes, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # only a bad fd or arguments fail, and neither is left to fix here
 
     @property
     def can_grow(self) -> bool:
@@ -512,7 +534,9 @@ class NvmeTier:
         return self.directories[index].grow_for(nbytes, lock=self._lock)
 
     def free(self, layout: TensorLayout) -> None:
-        """Give a tensor's extents back for reuse."""
+        """Give a tensor's extents back for reuse (their cached pages dropped first)."""
+        for d, extent in layout.extents:
+            self.directories[d].forget_cached_pages(extent.offset_bytes, extent.length_bytes)
         with self._lock:
             for d, extent in layout.extents:
                 self.directories[d].allocator.free(extent)
