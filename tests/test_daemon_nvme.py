@@ -69,6 +69,11 @@ class Store:
             db.close()
         return dict(json.loads(layout))
 
+    def cut_short_inside(self, name: str) -> None:
+        """Truncate the extent file half a MiB into a flushed tensor's first extent."""
+        _, offset, _ = self.index_layout(name)["extents"][0]
+        os.truncate(os.path.join(self.dir, "infinity-extents.dat"), offset + MiB // 2)
+
     def corrupt(self, name: str, at: int) -> None:
         """Flip one byte of a flushed tensor on disk, `at` bytes into its first extent."""
         _, offset, _ = self.index_layout(name)["extents"][0]
@@ -796,20 +801,29 @@ def test_a_corrupted_block_is_reported_as_corruption_not_served(store: Store) ->
         assert tier_counters(client)["checksum_errors"] == 2
 
 
-def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(store: Store) -> None:
+@pytest.mark.parametrize("written_after, error, what", [
+    (True, ChecksumError, "corrupted"),  # write-backs past the cut: the gap reads as zeros
+    (False, IOEngineError, "cannot be read.*short read")])  # the file ends in the tensor
+def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(
+        store: Store, written_after: bool, error: type[Exception], what: str) -> None:
     """The extent file truncated while the daemon serves (a fault of the disk or of an
-    operator): a tensor whose bytes were cut off reads short; it is reported, never served
-    as the zeros past the file's new end, and the tensor before the cut still reads back."""
+    operator): a tensor whose bytes were cut off is reported, never served as zeros, and the
+    tensor before the cut still reads back. Write-backs after the cut (of the tensors the
+    read evicts) extend the file again, and the zeros between fail the tensor's CRC32C; with
+    everything flushed first, nothing is written, and the read comes back short."""
     daemon = store.start()
     first, second = pattern(1, 3 * MiB), pattern(2, 5 * MiB + 11)
     with daemon.connect() as client:
         client.put("first", first, durable=True)
         client.put("second", second, durable=True)
-        push_out(client)
+        if written_after:
+            push_out(client)
+        else:
+            push_out_and_forget(client)
+            client.flush_store()
         assert tier_of(client, "first") == tier_of(client, "second") == "nvme"
-        _, offset, _ = store.index_layout("second")["extents"][0]
-        os.truncate(os.path.join(store.dir, "infinity-extents.dat"), offset + MiB // 2)
-        with pytest.raises(ChecksumError, match="'second'.*corrupted"):  # the zeros fail the CRC
+        store.cut_short_inside("second")
+        with pytest.raises(error, match=f"'second'.*{what}"):
             client.get("second")
         with client.get("first") as view:
             assert same_bytes(view, first)
