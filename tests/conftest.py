@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,16 @@ def ramfs_dir() -> Iterator[str]:
 def tiny_tmpfs_dir() -> Iterator[str]:
     """A real 8 MiB tmpfs, to fill up."""
     yield from _mount("tmpfs", "size=8m")
+
+
+@pytest.fixture
+def loop_fs() -> Iterator[Any]:
+    """A real 64 MiB ext4 on a loop device, mounted errors=remount-ro, whose faults the test
+    causes: read-only, a dead device, failing writes (`tests/loopfs.py`). Skips if not root."""
+    from loopfs import loop_ext4
+
+    with loop_ext4(64 * 1024 * 1024, under=DISK_TMP_ROOT) as fs:
+        yield fs
 
 
 # --- infinityd: real daemon processes in private runtime folders -----------------------------

@@ -20,6 +20,7 @@ import torch
 import infinity
 from conftest import (RunningDaemon, run_in_threads, short_tmp_root, start_daemon_process,
                       wait_until)
+from loopfs import LoopFs
 from infinity.cli.main import main as infinity_main
 from infinity.errors import (ChecksumError, DiskFullError, InfinityError, InvalidRequestError,
                              IOEngineError, StoreDirectoryError, StoreFullError, TierFullError,
@@ -67,6 +68,11 @@ class Store:
         finally:
             db.close()
         return dict(json.loads(layout))
+
+    def cut_short_inside(self, name: str) -> None:
+        """Truncate the extent file half a MiB into a flushed tensor's first extent."""
+        _, offset, _ = self.index_layout(name)["extents"][0]
+        os.truncate(os.path.join(self.dir, "infinity-extents.dat"), offset + MiB // 2)
 
     def corrupt(self, name: str, at: int) -> None:
         """Flip one byte of a flushed tensor on disk, `at` bytes into its first extent."""
@@ -630,40 +636,29 @@ def test_a_durable_commit_overtaken_by_a_newer_one_that_failed_is_not_answered_a
             assert same_bytes(x, pattern(1, 4096))
 
 
-# A failed fdatasync cannot be caused for real here (it takes a failing device): the daemon
-# runs with os.fdatasync replaced, by a sitecustomize on its PYTHONPATH, with one that fails
-# with EIO while a flag file exists.
-_FAULTY_FDATASYNC = """import errno, os
-_flag = os.environ["FAULTY_FDATASYNC_FLAG"]
-_fdatasync = os.fdatasync
-def _faulty(fd):
-    if os.path.exists(_flag):
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-    return _fdatasync(fd)
-os.fdatasync = _faulty
-"""
+# A failed fdatasync, for real: the store on an ext4 loop device whose writes then fail at the
+# block layer (`LoopFs.fail_writes`, as dm-flakey's error_writes), with buffered I/O
+# (nvme.direct = "off"), so that the store's writes land in the page cache and their
+# write-back fails under the flush's fdatasync: EIO, reported once, the pages left clean in the
+# cache and never on the disk, as with a failing drive. (With O_DIRECT the write itself fails:
+# tests/test_daemon_disk_faults.py.) Each check of what was kept repairs the file system
+# first, which drops the page cache: what is read then comes from the device.
+BUFFERED = {"nvme.direct": "off"}
 
 
-class FaultyFdatasync:
-    """Daemons of `store` started from now on fail every fdatasync while `failing()` lasts."""
+@pytest.fixture
+def device_store(loop_fs: LoopFs) -> Iterator[Store]:
+    """A store on the loop device's file system; its daemons use buffered I/O."""
+    yield from _store(loop_fs.path)
 
-    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-        folder = os.path.join(store.root, "faulty")
-        os.mkdir(folder)
-        with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
-            f.write(_FAULTY_FDATASYNC)
-        self.flag = os.path.join(folder, "failing")
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-            p for p in (folder, os.environ.get("PYTHONPATH", "")) if p))
-        monkeypatch.setenv("FAULTY_FDATASYNC_FLAG", self.flag)
 
-    def fail_one_flush(self, client: Any) -> None:
-        open(self.flag, "w").close()
-        try:
-            with pytest.raises(IOEngineError, match="fdatasync"):
-                client.flush_store()
-        finally:
-            os.unlink(self.flag)
+def fail_one_flush(fs: LoopFs, client: Any) -> None:
+    fs.fail_writes()
+    try:
+        with pytest.raises(IOEngineError, match="fdatasync"):
+            client.flush_store()
+    finally:
+        fs.heal()
 
 
 def push_out_and_forget(client: Any) -> None:
@@ -672,77 +667,74 @@ def push_out_and_forget(client: Any) -> None:
     client.delete([f"filler{i}" for i in range(16 * MiB // (2 * MiB))])
 
 
-def assert_kept_across_a_kill(store: Store, daemon: RunningDaemon, name: str,
+def assert_kept_across_a_kill(store: Store, fs: LoopFs, daemon: RunningDaemon, name: str,
                               value: torch.Tensor) -> None:
     daemon.process.kill()
     daemon.process.wait()
-    with store.start().connect() as client, client.get(name) as kept:
+    fs.repair()  # and the page cache is gone: the bytes come from the device
+    with store.start(**BUFFERED).connect() as client, client.get(name) as kept:
         assert same_bytes(kept, value)
 
 
 def test_a_flush_after_a_failed_fdatasync_writes_the_tensor_anew(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        device_store: Store, loop_fs: LoopFs) -> None:
     # Linux reports a failed write-back once: the next fdatasync succeeds though the bytes
     # written before it may be lost. So the flush after a failed one must not index the copy
     # written before the failure (it used to, answering durable): it writes the tensor again.
-    faulty = FaultyFdatasync(store, monkeypatch)
     data = pattern(23, 3 * MiB + 12345)
-    daemon = store.start()
+    daemon = device_store.start(**BUFFERED)
     with daemon.connect() as client:
         client.put("x", data)
-        faulty.fail_one_flush(client)
+        fail_one_flush(loop_fs, client)
         written = client.stats()["counters"]["tiers"]["writebacks"]
         assert client.flush_store()["tensors"] == 1
         assert client.stats()["counters"]["tiers"]["writebacks"] == written + 1
-    assert_kept_across_a_kill(store, daemon, "x", data)
+    assert_kept_across_a_kill(device_store, loop_fs, daemon, "x", data)
 
 
 def test_a_tensor_in_memory_at_a_failed_fdatasync_is_written_anew_when_evicted(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        device_store: Store, loop_fs: LoopFs) -> None:
     # Evicted as it was, x would be left with only the copy written before the failure.
-    faulty = FaultyFdatasync(store, monkeypatch)
     data = pattern(37, 3 * MiB + 511)
-    daemon = store.start()
+    daemon = device_store.start(**BUFFERED)
     with daemon.connect() as client:
         client.put("x", data)
-        faulty.fail_one_flush(client)
+        fail_one_flush(loop_fs, client)
         push_out_and_forget(client)
         assert tier_of(client, "x") == "nvme"
         assert client.flush_store()["tensors"] == 1
-    assert_kept_across_a_kill(store, daemon, "x", data)
+    assert_kept_across_a_kill(device_store, loop_fs, daemon, "x", data)
 
 
 def test_a_flush_of_a_tensor_only_on_nvme_after_a_failed_fdatasync_asks_to_read_it_first(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        device_store: Store, loop_fs: LoopFs) -> None:
     # x's only copy, written back when it was evicted, predates the failure: nothing in memory
     # to write anew, so the flush says how to bring it back.
-    faulty = FaultyFdatasync(store, monkeypatch)
     data = pattern(29, 3 * MiB + 4097)
-    daemon = store.start()
+    daemon = device_store.start(**BUFFERED)
     with daemon.connect() as client:
         client.put("x", data)
         push_out_and_forget(client)
         assert tier_of(client, "x") == "nvme"
-        faulty.fail_one_flush(client)
+        fail_one_flush(loop_fs, client)
         with pytest.raises(IOEngineError, match="get it"):
             client.flush_store()
         with client.get("x") as x:
             assert same_bytes(x, data)
         client.flush_store()
-    assert_kept_across_a_kill(store, daemon, "x", data)
+    assert_kept_across_a_kill(device_store, loop_fs, daemon, "x", data)
 
 
 def test_a_flush_of_a_tensor_being_streamed_after_a_failed_fdatasync_waits_for_the_stream(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        device_store: Store, loop_fs: LoopFs) -> None:
     # The copy a staged read stream reads must not be freed under it by the rewrite: the flush
     # is refused while the stream is open, and the stream's chunks stay right.
-    faulty = FaultyFdatasync(store, monkeypatch)
     data = pattern(31, 3 * MiB + 8191)
-    daemon = store.start()
+    daemon = device_store.start(**BUFFERED)
     with daemon.connect() as client:
         client.put("x", data)
         push_out_and_forget(client)
-        faulty.fail_one_flush(client)
+        fail_one_flush(loop_fs, client)
         info = client._open_stream(wire.StreamOpen("default", "x", "read"))
         assert not info.direct  # read from NVMe, chunk by chunk
         with client.get("x"):  # resident again, its NVMe copy still the one streamed
@@ -754,7 +746,7 @@ def test_a_flush_of_a_tensor_being_streamed_after_a_failed_fdatasync_waits_for_t
         client._close_stream(info, commit=False, durable=False)
         assert same_bytes(streamed, data)
         client.flush_store()
-    assert_kept_across_a_kill(store, daemon, "x", data)
+    assert_kept_across_a_kill(device_store, loop_fs, daemon, "x", data)
 
 
 def test_a_release_of_a_read_streams_request_id_does_not_end_the_streams_lease(store: Store) -> None:
@@ -809,20 +801,29 @@ def test_a_corrupted_block_is_reported_as_corruption_not_served(store: Store) ->
         assert tier_counters(client)["checksum_errors"] == 2
 
 
-def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(store: Store) -> None:
+@pytest.mark.parametrize("written_after, error, what", [
+    (True, ChecksumError, "corrupted"),  # write-backs past the cut: the gap reads as zeros
+    (False, IOEngineError, "cannot be read.*short read")])  # the file ends in the tensor
+def test_an_extent_file_cut_short_under_the_daemon_is_an_error_not_zeros(
+        store: Store, written_after: bool, error: type[Exception], what: str) -> None:
     """The extent file truncated while the daemon serves (a fault of the disk or of an
-    operator): a tensor whose bytes were cut off reads short; it is reported, never served
-    as the zeros past the file's new end, and the tensor before the cut still reads back."""
+    operator): a tensor whose bytes were cut off is reported, never served as zeros, and the
+    tensor before the cut still reads back. Write-backs after the cut (of the tensors the
+    read evicts) extend the file again, and the zeros between fail the tensor's CRC32C; with
+    everything flushed first, nothing is written, and the read comes back short."""
     daemon = store.start()
     first, second = pattern(1, 3 * MiB), pattern(2, 5 * MiB + 11)
     with daemon.connect() as client:
         client.put("first", first, durable=True)
         client.put("second", second, durable=True)
-        push_out(client)
+        if written_after:
+            push_out(client)
+        else:
+            push_out_and_forget(client)
+            client.flush_store()
         assert tier_of(client, "first") == tier_of(client, "second") == "nvme"
-        _, offset, _ = store.index_layout("second")["extents"][0]
-        os.truncate(os.path.join(store.dir, "infinity-extents.dat"), offset + MiB // 2)
-        with pytest.raises(ChecksumError, match="'second'.*corrupted"):  # the zeros fail the CRC
+        store.cut_short_inside("second")
+        with pytest.raises(error, match=f"'second'.*{what}"):
             client.get("second")
         with client.get("first") as view:
             assert same_bytes(view, first)

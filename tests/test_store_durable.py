@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import select
@@ -15,6 +14,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from loopfs import LoopFs
 from infinity.config import MiB, NvmeConfig
 from infinity.errors import IOEngineError, StoreDirectoryError
 from infinity.io import IOEngine
@@ -327,58 +327,69 @@ def test_an_index_of_another_schema_is_refused(engine: IOEngine, disk_tmp: str) 
         DurableIndex(make_tier(engine, disk_tmp))
 
 
+# A failing fdatasync, for real: the store on an ext4 loop device whose writes fail at the
+# block layer while `fail_writes` lasts (tests/loopfs.py), with buffered I/O, so that the
+# tier's writes land in the page cache and their write-back fails under the fdatasync.
+def buffered_tier(engine: IOEngine, directory: str) -> NvmeTier:
+    return NvmeTier(NvmeConfig(dirs=(directory,), stripe_bytes=MiB, file_grow_bytes=4 * MiB,
+                               direct="off"), engine)
+
+
 def test_a_failing_fdatasync_fails_the_publish_typed_and_commits_nothing(
-        engine: IOEngine, disk_tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = make_tier(engine, disk_tmp)
+        engine: IOEngine, loop_fs: LoopFs) -> None:
+    tier = buffered_tier(engine, loop_fs.path)
     index = DurableIndex(tier)
     _, layout = write(tier, 7)
-
-    def broken(fd: int) -> None:
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(os, "fdatasync", broken)
+    loop_fs.fail_writes()
     future = index.publish([record("a", layout)])
     wait_done(index, future)
+    loop_fs.heal()
     assert isinstance(future.exception(), IOEngineError)
-    monkeypatch.undo()
+    assert "fdatasync" in str(future.exception())
     index.close()
-    index = DurableIndex(make_tier(engine, disk_tmp))
+    tier.close()
+    reopened = buffered_tier(engine, loop_fs.path)
+    index = DurableIndex(reopened)
     assert index.load() == []
     index.close()
+    reopened.close()
 
 
 def test_a_copy_written_before_a_failed_fdatasync_is_refused_by_a_later_successful_one(
-        engine: IOEngine, disk_tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine: IOEngine, loop_fs: LoopFs) -> None:
     # Linux reports a failed write-back once, so the next fdatasync succeeds whatever was lost:
-    # only a copy written after the failure may be published on the strength of it. (The
-    # failure is faked: a real one needs a failing device.)
-    tier = make_tier(engine, disk_tmp)
+    # only a copy written after the failure may be published on the strength of it.
+    tier = buffered_tier(engine, loop_fs.path)
     index = DurableIndex(tier)
     _, before = write(tier, 11)
     stamp_before = tier.sync_failures
-
-    def broken(fd: int) -> None:
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(os, "fdatasync", broken)
+    loop_fs.fail_writes()
     failed = index.publish([record("a", before)])
     wait_done(index, failed)
-    monkeypatch.undo()
+    loop_fs.heal()
     assert isinstance(failed.exception(), IOEngineError)
     retried = index.publish([dataclasses.replace(record("a", before),
                                                  sync_failures_before=stamp_before)])
     wait_done(index, retried)
     assert isinstance(retried.exception(), IOEngineError)
     assert "written" in str(retried.exception())
-    _, after = write(tier, 12)
+    value, after = write(tier, 12)
     fresh = index.publish([dataclasses.replace(record("a", after),
                                                sync_failures_before=tier.sync_failures)])
     wait_done(index, fresh)
     assert fresh.exception() is None
     index.close()
-    index = DurableIndex(make_tier(engine, disk_tmp))
-    assert [r.layout for r in index.load()] == [after]
+    tier.close()
+    loop_fs.repair()  # the page cache goes: what is read next comes from the device
+    reopened = buffered_tier(engine, loop_fs.path)
+    index = DurableIndex(reopened)
+    (loaded,) = index.load()
+    assert loaded.layout == after
+    out = torch.empty_like(value)
+    reopened.read_tensor(after, out)
+    assert torch.equal(out, value)
     index.close()
+    reopened.close()
 
 
 def test_a_damaged_entry_is_a_typed_error_naming_the_tensor(engine: IOEngine, disk_tmp: str) -> None:

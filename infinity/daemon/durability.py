@@ -12,9 +12,12 @@ the ordering of index updates per name:
   so the index never goes back in time; a flush so overtaken is answered with
   the outcome of the transaction that overtook it;
 - a copy written before a failed fdatasync is never published (Linux reports
-  such a failure once, see `DiskCopy.sync_failures_before`): resident versions
-  are written anew instead, at once after a failed flush (`renew_unsynced`),
-  and a copy a lease or stream reads is never freed under it.
+  such a failure once, see `DiskCopy.sync_failures_before`), nor one written
+  to a store directory that failed since (`NvmeDirectory.fail`): resident
+  versions are written anew instead, at once after a failed flush
+  (`renew_unsynced`), and a copy a lease or stream reads is never freed under
+  it. A flush that failed because a directory failed under it is made again
+  at once, to the directories left (as `Eviction` does with write-backs).
 
 Rebuilding the catalog from the index at start is `infinity.daemon.restore`.
 Loop thread only; nothing here blocks.
@@ -54,6 +57,7 @@ class _Flush:
     done: Callable[[list[InfinityError | None]], None]
     ready: list[tuple[int, Version, DiskCopy]] = field(default_factory=list)
     waiting: int = 0
+    directory_failures_before: int = 0  # the tier's failed directories when it began
 
 
 def _index_error(exc: BaseException | None) -> InfinityError | None:
@@ -117,6 +121,8 @@ class Durability:
         durable), and runs only once the transaction committed (possibly at once)."""
         self.require_durable()
         job = _Flush(list(versions), [None] * len(versions), done)
+        if self.space.nvme is not None:
+            job.directory_failures_before = self.space.nvme.failed_directories
         job.waiting = 1  # this loop: a write-back failing at once must not publish early
         for version in job.versions:  # a delete meanwhile must know a flush is coming
             self._flushing[version.key] = self._flushing.get(version.key, 0) + 1
@@ -136,8 +142,9 @@ class Durability:
                 if self._unsynced(version.nvme):
                     job.errors[i] = IOEngineError(
                         f"tensor {version.key[1]!r} in namespace {version.key[0]!r} was written "
-                        f"to NVMe before an fdatasync of the store failed, so its bytes may not "
-                        f"be on the disk, and " + (
+                        f"to NVMe before an fdatasync of the store failed, or to a store "
+                        f"directory that failed since, so its bytes may not be on the disk, "
+                        f"and " + (
                             "it is not in memory to be written again; get it (that reads it "
                             "back into the CPU tier), release it, and flush again"
                             if version.cpu is None else
@@ -166,11 +173,12 @@ class Durability:
             self.space.drop_copy(version)
 
     def _unsynced(self, copy: DiskCopy) -> bool:
-        """The copy was written before an fdatasync of the store failed and was not made durable
-        before that: its bytes may never reach the disk."""
+        """The copy was not made durable before an fdatasync of the store failed, or before a
+        directory it lies in failed: its bytes may never reach the disk."""
         nvme = self.space.nvme
         return (not copy.indexed and bool(copy.layout.extents) and nvme is not None
-                and copy.sync_failures_before != nvme.sync_failures)
+                and (copy.sync_failures_before != nvme.sync_failures
+                     or nvme.on_failed_directory(copy.layout)))
 
     def _flush_ready(self, job: _Flush, i: int, version: Version) -> None:
         copy = version.nvme
@@ -256,6 +264,10 @@ class Durability:
         error = failure
         if future is not None:
             error = _index_error(future.exception())
+        nvme = self.space.nvme
+        again = (error is not None and nvme is not None and not self.space.closing
+                 and job.directory_failures_before < nvme.failed_directories
+                 < len(nvme.directories))
         for i, key, copy, nbytes, order in published:
             copy.publishing -= 1
             if error is None:
@@ -274,6 +286,8 @@ class Durability:
                 self._index_failed(key, order)
         if error is None:
             self.counters.flushes += 1
+        elif again:
+            log.warning("flush goes to the store directories left: %s", error)
         else:
             self.counters.flush_failures += 1
             log.error("flush failed: %s", error)
@@ -283,7 +297,23 @@ class Durability:
                 self.renew_unsynced(version)
         for _, key, _, _, _ in published:
             self._index_done(key, error)
-        finish()
+        if again:
+            self._flush_again(job, [i for i, _, _, _, _ in published], finish)
+        else:
+            finish()
+
+    def _flush_again(self, job: _Flush, items: list[int], finish: Callable[[], None]) -> None:
+        """Flush the versions of `items` of a job anew (a directory failed under it: the copies
+        there were renewed above, and are written to the directories left); their outcome
+        replaces the failure. Each retry needs another directory to fail: at most one per
+        directory."""
+
+        def settled(errors: list[InfinityError | None]) -> None:
+            for i, error in zip(items, errors):
+                job.errors[i] = error
+            finish()
+
+        self.make_durable([job.versions[i] for i in items], settled)
 
     # --- the ordering of index updates --------------------------------------------------------
 

@@ -331,11 +331,12 @@ class Eviction:
             # Leased exclusively while waiting for the store file to grow: not settled now.
             self._wrote_back(wb, None, stale_error(version))
             return
+        wb.directory_failures_before = nvme.failed_directories
         try:
             layout = nvme.allocate(version.nbytes, grow=False)
         except GrowthNeeded as need:
             self.space.grow_disk(need.index, need.nbytes, lambda error: (
-                self._submit_write_back(wb) if error is None else self._wrote_back(wb, None, error)))
+                self._submit_write_back(wb) if error is None else self._write_failed(wb, error)))
             return
         except InfinityError as exc:
             self._wrote_back(wb, None, exc)
@@ -368,9 +369,25 @@ class Eviction:
         except InfinityError as exc:
             assert self.nvme is not None
             self.nvme.free(layout)
-            self._wrote_back(wb, None, exc)
+            self._write_failed(wb, exc)
             return
         self._wrote_back(wb, final, None)
+
+    def _write_failed(self, wb: WriteBack, error: InfinityError) -> None:
+        """A write-back that failed because a store directory failed meanwhile (read-only, or
+        its device) is written again at once, to the directories left, as one that found a
+        file system full goes to another directory: only the first write to a failed
+        directory, or none, fails for it. (Each retry needs another directory to fail: at
+        most one per directory.)"""
+        nvme = self.nvme
+        assert nvme is not None
+        if (wb.directory_failures_before < nvme.failed_directories < len(nvme.directories)
+                and not self.space.closing):
+            log.warning("write-back of %r in %r goes to the store directories left: %s",
+                        wb.version.key[1], wb.version.key[0], error)
+            self._submit_write_back(wb)
+            return
+        self._wrote_back(wb, None, error)
 
     def _wrote_back(self, wb: WriteBack, layout: TensorLayout | None,
                     error: InfinityError | None) -> None:

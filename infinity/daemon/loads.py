@@ -179,6 +179,11 @@ class Loads:
             error = ChecksumError(f"tensor {name!r} in namespace {namespace!r} is corrupted on "
                                   f"NVMe, so it is not served: {error}")
             log.error("%s", error)
+        elif error is not None:
+            namespace, name = load.version.key
+            error = type(error)(f"tensor {name!r} in namespace {namespace!r} cannot be read "
+                                f"from NVMe: {error}")
+            log.error("%s", error)
         self._loaded(load, error)
 
     def _loaded(self, load: Load, error: InfinityError | None, *, skipped: bool = False) -> None:
@@ -243,6 +248,10 @@ class Loads:
                 error = ChecksumError(f"tensor {version.key[1]!r} in namespace "
                                       f"{version.key[0]!r} is corrupted on NVMe, so it is not "
                                       f"served: {error}")
+            elif error is not None:
+                error = type(error)(f"tensor {version.key[1]!r} in namespace {version.key[0]!r} "
+                                    f"cannot be read from NVMe: {error}")
+                log.error("%s", error)
             else:
                 self.counters.stream_read_bytes += nbytes if error is None else 0
             done(error)

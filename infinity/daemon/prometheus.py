@@ -106,6 +106,10 @@ def metric_families(stats: dict[str, Any]) -> list[Metric]:
                  "I/O ops submitted to an NVMe directory and not completed")):
             out.labelled(kind(name, doc, labels=["dir"]),
                          [([str(d.get("path"))], d.get(key)) for d in dirs])
+        out.labelled(GaugeMetricFamily(
+            "infinity_nvme_failed", "1 once an NVMe directory failed (its file system turned "
+            "read-only, or its device reports errors): nothing more is written there",
+            labels=["dir"]), [([str(d.get("path"))], int(bool(d.get("failure")))) for d in dirs])
 
     gpus = [g for g in (stats.get("tiers") or {}).get("gpu") or () if isinstance(g, dict)]
     for key, name, kind, doc in (

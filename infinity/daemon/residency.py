@@ -64,6 +64,7 @@ class WriteBack:
     ahead: int = 0  # bytes it counts against nvme.write_behind_bytes (0 once it is an eviction)
     evicting: int = 0  # CPU bytes its eviction will free, once it is one
     sync_failures_before: int = 0  # `DiskCopy.sync_failures_before` of the copy it writes
+    directory_failures_before: int = 0  # the tier's failed directories when it was submitted
     evict: bool = False  # chosen as a victim: the version is evicted once this write-back is done
 
 

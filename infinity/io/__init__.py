@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from infinity.io.engine import IOEngine
-from infinity.io.errno_map import error_from_errno
+from infinity.io.errno_map import error_from_errno, failed_op
 from infinity.io.future import IOFuture
 from infinity.io.native import (probe_aio, probe_io_uring, probe_shared_memory_collapse,
                                 simd_level)
@@ -56,6 +56,7 @@ __all__ = [
     "crc_count",
     "default_task_threads",
     "error_from_errno",
+    "failed_op",
     "probe_aio",
     "probe_io_uring",
     "probe_shared_memory_collapse",

@@ -88,9 +88,11 @@ class CompletionSource:
         """An eventfd that becomes readable when work completes; poll() clears it."""
         return self._completions.completion_fd
 
-    def _track(self, unit_id: int, keepalive: object) -> IOFuture:
-        """The future of a unit just submitted; call with `self._lock` held."""
-        future = IOFuture(self, unit_id, keepalive, to_error=self._to_error)
+    def _track(self, unit_id: int, keepalive: object,
+               to_error: Callable[[int, str], IOEngineError] | None = None) -> IOFuture:
+        """The future of a unit just submitted; call with `self._lock` held. `to_error` makes
+        its exception instead of the source's own, should it fail."""
+        future = IOFuture(self, unit_id, keepalive, to_error=to_error or self._to_error)
         self._futures[unit_id] = future
         return future
 

@@ -18,7 +18,7 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 from infinity.config import IOConfig
 from infinity.errors import AlignmentError, IOEngineError
@@ -105,11 +105,16 @@ class IOEngine(CompletionSource):
 
     # --- submitting -----------------------------------------------------------
 
-    def submit(self, ops: Iterable[IOOp] | IOOp, *, keepalive: object = None) -> IOFuture:
+    def submit(self, ops: Iterable[IOOp] | IOOp, *, keepalive: object = None,
+               to_error: Callable[[int, str], IOEngineError] | None = None) -> IOFuture:
         """Queue a batch and return its future at once.
 
         The buffers (and checksum arrays) must stay alive until the future
         completes; pass them as `keepalive` to have the future hold them.
+        `to_error(errno, message)` makes the future's exception if the batch
+        fails (default `error_from_errno`; the message starts with "op N: ",
+        N the first failed op's index, see `errno_map.failed_op`), for a
+        caller that knows more about the ops' files than the engine does.
         Raises AlignmentError for a direct op whose address, size or offset
         is not 4096-aligned (nothing of the batch is queued then).
         """
@@ -132,7 +137,7 @@ class IOEngine(CompletionSource):
                 raise IOEngineError(f"invalid I/O op: {exc}") from exc
             except RuntimeError as exc:
                 raise IOEngineError(str(exc)) from exc
-            return self._track(batch_id, keepalive)
+            return self._track(batch_id, keepalive, to_error)
 
     def run(self, ops: Iterable[IOOp] | IOOp, timeout_s: float | None = None) -> None:
         """submit() and wait for the result."""

@@ -1,13 +1,15 @@
 """Turns a native (errno, message) pair into the project's typed exception.
 
 The engine reports a failed batch as a positive errno and a message naming
-the call, fd and offset; this module picks the `infinity.errors` class and
-appends a sentence saying what to do about it.
+the call, fd and offset, after "op N: ", N the index in the batch of the
+first op that failed (`failed_op` reads it back); this module picks the
+`infinity.errors` class and appends a sentence saying what to do about it.
 """
 
 from __future__ import annotations
 
 import errno
+import re
 
 from infinity.errors import ChecksumError, DiskFullError, IOEngineError
 
@@ -37,6 +39,10 @@ _ADVICE: dict[int, str] = {
         "(tmpfs, ramfs, some network file systems), set nvme.direct=off or pass direct=False."
     ),
     errno.EIO: "Check that the file is as large as the read expects, and the device's health (dmesg).",
+    errno.EROFS: (
+        "The file system is read-only (remounted so after errors? see dmesg): repair it and "
+        "mount it read-write."
+    ),
     errno.ECANCELED: "The engine was closed while the request was queued: submit it again on an open engine.",
     errno.EAGAIN: "The kernel ran short of resources: retry later, or lower io.queue_depth.",
 }
@@ -51,3 +57,13 @@ def error_from_errno(err: int, message: str) -> IOEngineError:
     if err in _DISK_FULL:
         return DiskFullError(text)
     return IOEngineError(text)
+
+
+_FAILED_OP = re.compile(r"op (\d+): ")
+
+
+def failed_op(message: str) -> int | None:
+    """The index in its batch of the op a failed batch's message is about; None if the
+    message names none (a failure of the batch as a whole)."""
+    found = _FAILED_OP.match(message)
+    return int(found.group(1)) if found else None

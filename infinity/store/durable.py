@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from infinity.errors import DiskFullError, IOEngineError, StoreDirectoryError
-from infinity.store.nvme import NvmeTier, TensorLayout
+from infinity.store.nvme import DIRECTORY_FAULTS, NvmeTier, TensorLayout
 
 INDEX_FILE_NAME = "infinity-index.sqlite"
 LOCK_FILE_NAME = "infinity-store.lock"
@@ -323,17 +323,25 @@ class DurableIndex:
         DiskFullError, IOEngineError or StoreDirectoryError when the disk or SQLite refused.
         """
         batch = list(records)
-        fds = sorted({self.tier.directories[d].fd for r in batch for d, _ in r.layout.extents})
+        directories = sorted({d for r in batch for d, _ in r.layout.extents})
+        fds = [self.tier.directories[d].fd for d in directories]
         rows = [(r.namespace, r.name, r.dtype, json.dumps(list(r.shape)),
                  json.dumps(r.layout.to_wire())) for r in batch]
 
         def job() -> None:
-            for fd in fds:
+            for d in directories:
+                directory = self.tier.directories[d]
                 try:
-                    os.fdatasync(fd)
+                    os.fdatasync(directory.fd)
                 except OSError as exc:
                     self.tier.sync_failures += 1
-                    raise _disk_error(exc, "fdatasync of the store's extent file") from None
+                    what = f"fdatasync of {directory.file_path}"
+                    # EIO from fdatasync is a write-back that failed, and reported once: the
+                    # copies written before it are written anew (see `sync_failures`), and
+                    # the directory stays in use. A read-only file system is for good.
+                    if exc.errno == errno.EROFS:
+                        raise directory.fail(exc.errno, what) from None
+                    raise _disk_error(exc, what) from None
             self._require_files_in_place(fds)
             failed_since = [r.name for r in batch
                             if r.layout.extents and r.sync_failures_before != self.tier.sync_failures]
@@ -397,6 +405,20 @@ class DurableIndex:
 
         return self._submit(job, on_done)
 
+    def _index_directory_failure(self) -> StoreDirectoryError | None:
+        """After SQLite failed: whether that is the index's directory turning read-only or its
+        device failing (SQLite says only "disk I/O error"). An fsync of its lock file asks the
+        file system; a failure fails the directory, and that error is the one to report."""
+        directory = self.tier.directories[0]
+        if directory.failure is not None:
+            return directory.failure
+        try:
+            os.fsync(self._lock_fds[0])
+        except OSError as exc:
+            if exc.errno in DIRECTORY_FAULTS:
+                return directory.fail(exc.errno, f"a write of the store index {self.path}")
+        return None
+
     def _submit(self, job: Callable[[], Any], on_done: Callable[[Future[Any]], None] | None) -> Future[Any]:
         if self._closed:
             raise StoreDirectoryError("the store index is closed (the daemon is stopping)")
@@ -413,6 +435,8 @@ class DurableIndex:
             job, future, on_done = item
             try:
                 future.set_result(job())
+            except StoreDirectoryError as exc:  # SQLite's, or a directory failed
+                future.set_exception(self._index_directory_failure() or exc)
             except BaseException as exc:  # handed to the caller through the future
                 future.set_exception(exc)
             # on_done runs later in poll(), on the owner's thread, never on this one.

@@ -19,6 +19,24 @@ The core moves bytes by address (`write_from`, `write_part`, `read_into`) and
 keeps checksums in `array.array` buffers, so infinityd uses it without
 importing torch; only the `*_tensor` conveniences load torch.
 
+A directory whose file system turned read-only, or whose device failed a write
+(EROFS or EIO from a write, a growth or under the store index; EROFS from an
+fdatasync: `NvmeDirectory.fail`), is failed until the daemon restarts: nothing
+more is allocated there, and tensors are dealt over the directories left (reads
+of what it holds go on: a read-only file system still reads). Not failures:
+ENOSPC (space may come back), and EIO from an fdatasync (a write-back that
+failed is reported once; the copies it may have lost are written anew, see
+`NvmeTier.sync_failures`).
+
+Buffered I/O (no O_DIRECT) meets one more trap: on ext4 (seen on Linux 6.18), once
+the write-back of cached pages failed, bytes written over those pages again are
+lost though the next fdatasync succeeds (the pages keep a state in which the
+preallocated blocks under them are never marked written). So the cached pages
+of freed extents are dropped before the extents can be handed out again, and
+an extent file's whole cache when it is opened (`forget_cached_pages`). Pages
+still in use stay: after a failed write-back, the cache may hold the only good
+copy of a tensor not yet durable, which a read can still bring back.
+
 Space: `allocate` hands out extents and, by default, grows a directory's
 extent file on the spot (`fallocate`). The daemon's loop must not wait on
 the file system, so it passes `grow=False`, gets `GrowthNeeded` instead, runs
@@ -30,6 +48,8 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -39,11 +59,12 @@ from infinity.config import MiB, NvmeConfig
 from infinity.errors import (
     DiskFullError,
     InvalidRequestError,
+    IOEngineError,
     OutOfRangeError,
     StoreDirectoryError,
     StoreFullError,
 )
-from infinity.io import IOEngine, IOFuture, IOOp
+from infinity.io import IOEngine, IOFuture, IOOp, error_from_errno, failed_op
 from infinity.store.allocator import Extent, ExtentAllocator
 
 if TYPE_CHECKING:
@@ -55,6 +76,11 @@ PAGE_BYTES = 4096
 INDEX_ROOM_BYTES = 1 << 20
 CRC_BLOCK_BYTES = 1 * MiB
 EXTENT_FILE_NAME = "infinity-extents.dat"
+# Errors of a write that take its directory out of use: its file system went read-only, or
+# its device failed.
+DIRECTORY_FAULTS = (errno.EROFS, errno.EIO)
+
+log = logging.getLogger(__name__)
 
 
 def round_up(nbytes: int, multiple: int) -> int:
@@ -212,9 +238,12 @@ class NvmeDirectory:
                 f"{self.file_path} has a size that is not a multiple of 4096; it was not written "
                 f"by Infinity: move it away")
         self.opened_bytes = size  # the file's size when opened: 0 if this just created it
+        if not self.direct:
+            self.forget_cached_pages(0, 0)  # a daemon before may have met failed write-backs
         self.allocator = ExtentAllocator(min(size, self.capacity_bytes), alignment_bytes=PAGE_BYTES)
         self._grow_lock = threading.Lock()  # one fallocate at a time per file
         self.keeps_index_room = index == 0  # set by the tier: on the index's file system
+        self.failure: StoreDirectoryError | None = None  # see `fail`
         # Counters, kept as I/O is submitted (the monitor reads them per directory).
         self.bytes_read = 0
         self.bytes_written = 0
@@ -240,14 +269,50 @@ class NvmeDirectory:
             return False, "buffered: nvme.direct = off"
         return False, "buffered: the file system refuses O_DIRECT (tmpfs or ramfs?), pread/pwrite pool"
 
+    def forget_cached_pages(self, offset_bytes: int, nbytes: int) -> None:
+        """Drop the extent file's clean cached pages in [offset, offset + nbytes) (0 bytes: to
+        the end): pages whose write-back failed must not be written over (see the module
+        docstring). Buffered files only; best effort; any thread."""
+        if self.direct:
+            return
+        try:
+            os.posix_fadvise(self.fd, offset_bytes, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # only a bad fd or arguments fail, and neither is left to fix here
+
+    def fail(self, err: int, what: str) -> StoreDirectoryError:
+        """`what` (a write, a growth, an fdatasync) failed with `err`, one of DIRECTORY_FAULTS:
+        the directory's file system turned read-only, or its device failed. Nothing more is
+        allocated here until infinityd restarts (any thread may call this; the first failure
+        is kept and logged). Returns the error to raise."""
+        if err == errno.EROFS:
+            error = StoreDirectoryError(
+                f"store directory {self.path} is read-only now ({what}: {os.strerror(err)}): its "
+                f"file system was remounted read-only, after errors of its device or its "
+                f"metadata; nothing more is written there. See the kernel log (dmesg); stop "
+                f"infinityd, repair the file system (fsck) and mount it read-write again: what "
+                f"was made durable there is kept")
+        else:
+            error = StoreDirectoryError(
+                f"store directory {self.path} failed ({what}: {os.strerror(err)}): its device or "
+                f"file system reports errors; nothing more is written there. See the kernel log "
+                f"(dmesg); stop infinityd, check the device, and run `infinity verify` before "
+                f"using this store again")
+        if self.failure is None:
+            self.failure = error
+            log.error("%s", error)
+        return error
+
     @property
     def can_grow(self) -> bool:
-        return self.allocator.capacity_bytes < self.capacity_bytes
+        return self.allocator.capacity_bytes < self.capacity_bytes and self.failure is None
 
     @property
     def room_bytes(self) -> int:
         """What more it may hold: free space in its file, and what the file may still grow,
-        as far as its file system has room for that."""
+        as far as its file system has room for that; none once it failed."""
+        if self.failure is not None:
+            return 0
         growable = self.capacity_bytes - self.allocator.capacity_bytes
         if growable <= 0:
             return self.allocator.free_bytes  # a file at its full size: no need to ask (statvfs)
@@ -304,6 +369,8 @@ class NvmeDirectory:
             try:
                 os.posix_fallocate(self.fd, current, target - current)
             except OSError as exc:
+                if exc.errno in DIRECTORY_FAULTS:
+                    raise self.fail(exc.errno, f"growing {self.file_path}") from None
                 if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise StoreDirectoryError(
                         f"cannot grow {self.file_path}: {exc.strerror}; check the directory and "
@@ -413,6 +480,7 @@ class NvmeTier:
         except BaseException:
             self.close()
             raise
+        self._by_fd = {directory.fd: directory for directory in self.directories}
         # The store's index lives in the first directory: every directory on its file system
         # leaves it room (several directories may share one file system).
         index_device = os.stat(self.directories[0].path).st_dev
@@ -444,7 +512,13 @@ class NvmeTier:
         if nbytes <= 0:
             raise InvalidRequestError(f"cannot store a tensor of {nbytes} bytes; store at least one byte")
         capacity = round_up(nbytes, PAGE_BYTES)
-        num_dirs = len(self.directories)
+        # A failed directory takes nothing more: the stripes are dealt over those left.
+        usable = [d.index for d in self.directories if d.failure is None]
+        if not usable:
+            first_failure = self.directories[0].failure
+            assert first_failure is not None
+            raise first_failure
+        num_dirs = len(usable)
         totals = stripe_totals(capacity, self.stripe_bytes, num_dirs)
         largest = max(totals.values())
         if largest > self.config.capacity_bytes_per_dir:
@@ -454,14 +528,15 @@ class NvmeTier:
                 f"that setting or add directories to nvme.dirs")
         # Without the lock: room only picks where the deal starts, and a stale figure costs a
         # retry at most, while each one asks the file system (statvfs), which may be slow.
-        room = ([directory.room_bytes for directory in self.directories] if num_dirs > 1
+        room = ([self.directories[d].room_bytes for d in usable] if num_dirs > 1
                 else [0])  # one directory: nothing to pick
         # The deal starts at the directory with the most room; where the tensor does not fit
         # from there (free space in pieces, a file system full), from the next one, and so on.
         failure: StoreFullError | DiskFullError | None = None
         for first in sorted(range(num_dirs), key=lambda d: -room[d]):
             # Slot k of the deal (layout.extents[k]) goes to the k-th directory from `first`.
-            per_dir = {(first + slot) % num_dirs: length for slot, length in totals.items()}
+            per_dir = {usable[(first + slot) % num_dirs]: length
+                       for slot, length in totals.items()}
             while True:
                 try:
                     return self._allocate_once(nbytes, per_dir, grow=grow)
@@ -506,13 +581,24 @@ class NvmeTier:
                 taken.append((d, extent))
         return TensorLayout(nbytes, self.stripe_bytes, tuple(taken), ())
 
+    @property
+    def failed_directories(self) -> int:
+        """How many directories failed (`NvmeDirectory.fail`) since the tier opened."""
+        return sum(directory.failure is not None for directory in self.directories)
+
+    def on_failed_directory(self, layout: TensorLayout) -> bool:
+        """Whether any of a layout's extents lies in a failed directory."""
+        return any(self.directories[d].failure is not None for d, _ in layout.extents)
+
     def grow(self, index: int, nbytes: int) -> bool:
         """Extend directory `index`'s file so that `nbytes` more fit (blocking; any thread).
         False when it is at nvme.capacity_bytes_per_dir; DiskFullError when the file system is full."""
         return self.directories[index].grow_for(nbytes, lock=self._lock)
 
     def free(self, layout: TensorLayout) -> None:
-        """Give a tensor's extents back for reuse."""
+        """Give a tensor's extents back for reuse (their cached pages dropped first)."""
+        for d, extent in layout.extents:
+            self.directories[d].forget_cached_pages(extent.offset_bytes, extent.length_bytes)
         with self._lock:
             for d, extent in layout.extents:
                 self.directories[d].allocator.free(extent)
@@ -573,9 +659,9 @@ class NvmeTier:
 
     def _submit(self, ops: list[IOOp], *, keepalive: object) -> IOFuture:
         """Submit a batch, counted in each directory's queue until it completes."""
-        future = self.engine.submit(ops, keepalive=keepalive)
-        by_fd = {d.fd: d for d in self.directories}
-        queued = [by_fd[op.fd] for op in ops]
+        future = self.engine.submit(ops, keepalive=keepalive,
+                                    to_error=functools.partial(self._batch_error, ops))
+        queued = [self._by_fd[op.fd] for op in ops]
         with self._queue_lock:
             for directory in queued:
                 directory.ops_in_flight += 1
@@ -587,6 +673,22 @@ class NvmeTier:
 
         future.add_done_callback(done)
         return future
+
+    def _batch_error(self, ops: list[IOOp], err: int, message: str) -> IOEngineError:
+        """A failed batch's error, naming the store directory: a write that failed with EROFS
+        or EIO fails its directory (`NvmeDirectory.fail`)."""
+        error = error_from_errno(err, message)
+        index = failed_op(message)
+        if err not in DIRECTORY_FAULTS or index is None or index >= len(ops):
+            return error
+        op = ops[index]
+        directory = self._by_fd.get(op.fd)
+        if directory is None:
+            return error
+        if op.is_write:
+            return directory.fail(err, f"a write of {op.nbytes} bytes at byte {op.offset} of "
+                                       f"{directory.file_path}")
+        return IOEngineError(f"a read from store directory {directory.path} failed: {error}")
 
     def write_from(self, address: int, nbytes: int, *, layout: TensorLayout | None = None,
                    keepalive: Sequence[object] = ()) -> NvmeWrite:
@@ -719,6 +821,7 @@ class NvmeTier:
             "bytes_read": d.bytes_read,
             "bytes_written": d.bytes_written,
             "queue_depth": d.ops_in_flight,
+            "failure": None if d.failure is None else str(d.failure),
         } for d in self.directories]
 
     def close(self) -> None:
