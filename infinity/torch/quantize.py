@@ -15,15 +15,21 @@ a bf16 model); its codes are round(x / scale) (half to even), clamped to [-QMAX,
   high one; a row of odd length leaves its last high nibble 8 (code 0).
 
 A weight dequantizes to code * scale in its own dtype. Since a code is an integer of at most 7
-bits and a scale has its dtype's mantissa, that product is exact before its one rounding to the
-dtype, so the vectorized dequantization (two passes of torch elementwise kernels, multi-threaded)
-gives bit for bit the reference (code * scale in float32, then rounded). Keeping the scales in
-the compute dtype is what allows this: with float32 scales, torch's multiply into a bf16 buffer
-goes through a float32 temporary and took 10x as long (measured: 89 ms against 16 ms for a
-5632 x 2048 weight on this project's 2-vCPU machine, where its matrix-vector product takes 8 ms).
-The codes are computed against the scale as stored (rounded to the dtype), so that rounding adds
-no error of its own; a block whose scale underflows the dtype (float16, largest value under about
-4e-6) dequantizes to zeros.
+bits and a scale has its dtype's mantissa, that product is exact in float32 before its one
+rounding to the dtype, so every way of computing it gives the same bits as the reference (code *
+scale in float32, then rounded). The codes are computed against the scale as stored (rounded to
+the dtype), so that rounding adds no error of its own; a block whose scale underflows the dtype
+(float16, largest value under about 4e-6) dequantizes to zeros.
+
+Dequantizing on the CPU is the native kernel's (`infinity._native.dequantize`: one pass, AVX2 or
+AVX-512, rows split over the process's task pool), on a GPU torch's element-wise kernels. Torch's
+kernels on the CPU were measured too slow for the per-token path (the 7 weights of one layer of
+tools/bench_infer.py's 1B Llama in bf16, 2 threads, best of 7, three runs on the busy 2-vCPU
+machine: its matrix-vector products 24-78 ms; dequantizing int8 with torch 50-108 ms and int4
+244-387 ms, with the native kernel 13-16 ms and 10-14 ms), since they take several passes (int4
+unpacks through a scratch buffer) and a mixed-dtype multiply casts on the way. Scales in the compute dtype keep them to as few passes as
+they take: with float32 scales, torch's multiply into a bf16 buffer goes through a float32
+temporary (10x slower again).
 
 Block sizes: 128 for int8 (scales cost 1/64 of the codes' bytes in bf16), 64 for int4, whose
 grid of 15 steps makes an outlier cost a block more, so smaller blocks pay for their scales
@@ -58,6 +64,7 @@ import torch
 from torch.nn import functional
 
 from infinity.errors import InvalidRequestError
+from infinity.io.native import native
 
 __all__ = ["BLOCK_SIZES", "FORMS", "DequantBuffers", "QuantizedWeight", "dequantize",
            "linear_weight_names", "quantize", "round_trip"]
@@ -158,13 +165,23 @@ def quantize(values: torch.Tensor, form: str, block: int) -> tuple[torch.Tensor,
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: str, block: int, *,
-               out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor, scratch: torch.Tensor | None = None,
+               implementation: str = "auto") -> torch.Tensor:
     """Write code * scale into `out` (the weight's shape and dtype, contiguous, on the codes'
-    device), vectorized; returns `out`. int4 unpacks its codes into `scratch` (uint8, at least
-    2 * ceil(n / 2) bytes a row; allocated if not given)."""
+    device); returns `out`. implementation: "native" (CPU tensors only), "torch", or "auto" (the
+    native kernel on the CPU, torch elsewhere). torch's int4 unpacks its codes into `scratch`
+    (uint8, at least 2 * ceil(n / 2) bytes a row; allocated if not given)."""
     n = out.shape[-1]
     rows = out.numel() // n if n else 0
     if rows == 0 or n == 0:
+        return out
+    on_cpu = all(t.device.type == "cpu" and t.is_contiguous() for t in (codes, scales, out))
+    if implementation == "native" or (implementation == "auto" and on_cpu):
+        if not on_cpu:
+            raise InvalidRequestError("the native dequantization takes contiguous CPU tensors")
+        native().dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), form,
+                            str(out.dtype).removeprefix("torch."), rows, n, block,
+                            torch.get_num_threads())
         return out
     full_blocks = n // block
     flat = out.view(rows, n)
@@ -227,7 +244,7 @@ class DequantBuffers:
                 f"{scales.dtype}); import the model again")
         out = self._buffer(weight.shape, weight.dtype, codes.device)
         scratch = None
-        if weight.form == "int4":
+        if weight.form == "int4" and codes.device.type != "cpu":  # torch's unpacking
             scratch = self._buffer((2 * math.prod(weight.codes_shape),), torch.uint8,
                                    codes.device)
         try:
