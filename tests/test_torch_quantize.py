@@ -102,11 +102,13 @@ def test_a_block_larger_than_the_row_is_one_short_block() -> None:
 
 @pytest.mark.parametrize("form,block", [("int8", 24), ("int8", 128), ("int4", 10), ("int4", 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_native_kernel_writes_the_bits_torchs_kernels_write(form: str, block: int,
-                                                                dtype: torch.dtype) -> None:
-    # Blocks that 16 does not divide (the vector loop's scalar tails), a short last block, and
-    # enough rows to be split over the task pool.
-    values = sample(700, 401, dtype)
+@pytest.mark.parametrize("shape", [(700, 401), (520, 1024)], ids=["odd", "streamed"])
+def test_the_native_kernel_writes_the_bits_torchs_kernels_write(
+        form: str, block: int, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    # Blocks that 16 does not divide (the vector loop's scalar tails), a short last block,
+    # enough rows to be split over the task pool; and rows on 32-byte lines in a buffer of over
+    # 1 MiB, which goes out by streaming stores.
+    values = sample(*shape, dtype)
     codes, scales = quantize(values, form, block)
     native = dequantize(codes, scales, form, block, out=torch.empty_like(values),
                         implementation="native")

@@ -22,14 +22,16 @@ the dtype), so that rounding adds no error of its own; a block whose scale under
 (float16, largest value under about 4e-6) dequantizes to zeros.
 
 Dequantizing on the CPU is the native kernel's (`infinity._native.dequantize`: one pass, AVX2 or
-AVX-512, rows split over the process's task pool), on a GPU torch's element-wise kernels. Torch's
-kernels on the CPU were measured too slow for the per-token path (the 7 weights of one layer of
-tools/bench_infer.py's 1B Llama in bf16, 2 threads, best of 7, three runs on the busy 2-vCPU
-machine: its matrix-vector products 24-78 ms; dequantizing int8 with torch 50-108 ms and int4
-244-387 ms, with the native kernel 13-16 ms and 10-14 ms), since they take several passes (int4
-unpacks through a scratch buffer) and a mixed-dtype multiply casts on the way. Scales in the compute dtype keep them to as few passes as
-they take: with float32 scales, torch's multiply into a bf16 buffer goes through a float32
-temporary (10x slower again).
+AVX-512, streaming stores into a buffer of 1 MiB and more, rows split over the process's task
+pool), on a GPU torch's element-wise kernels. Measured on the 7 weights of one layer of
+tools/bench_infer.py's 1B Llama in bf16 (2 threads, best of 7, three runs on the 2-vCPU
+machine, lightly loaded): their matrix-vector products 7.0-8.4 ms; dequantizing int8 with torch
+9.4-15 ms, natively 6.2-10.5 ms; int4 with torch 28-42 ms (it unpacks through a scratch buffer,
+several passes), natively 11-12 ms. Scales in the compute dtype keep torch's path to as few
+passes as it takes: with float32 scales, its multiply into a bf16 buffer goes through a float32
+temporary (several times slower again). Either way a dequantized weight is written and read
+again, so a CPU computing from quantized copies spends about twice the time on each linear
+layer that it spends on one in memory; what it saves is bytes to move.
 
 Block sizes: 128 for int8 (scales cost 1/64 of the codes' bytes in bf16), 64 for int4, whose
 grid of 15 steps makes an outlier cost a block more, so smaller blocks pay for their scales
