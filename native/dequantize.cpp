@@ -60,23 +60,34 @@ inline bool streams(const DequantBuffers& b, const void* out, size_t j) {
          (reinterpret_cast<uintptr_t>(static_cast<const char*>(out) + j * size) & 31) == 0;
 }
 
+// Where a block's 16-element groups are written: into the output, or into an aligned tile that
+// then streams to it (see `streams`).
+struct Groups {
+  Groups(const DequantBuffers& b, void* out, size_t j)
+      : out(static_cast<char*>(out)), size(element_size(b.type)), stream(streams(b, out, j)) {}
+  void* to() { return stream ? static_cast<void*>(tile) : static_cast<void*>(out); }
+  size_t at(size_t j) const { return stream ? 0 : j; }
+  char* out;
+  size_t size;
+  bool stream;
+  alignas(64) uint8_t tile[64];
+};
+
+// The 16 codes of elements j .. j + 15 as int8.
+__attribute__((target("avx2"))) inline __m128i codes16(const DequantBuffers& b, const uint8_t* codes, size_t j) {
+  return b.form == QuantForm::kInt8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j))
+                                    : unpack16(codes + j / 2);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl"))) size_t block_avx512(const DequantBuffers& b,
                                                                           const uint8_t* codes, void* out,
                                                                           size_t j, size_t end, float s) {
   const __m512 scale = _mm512_set1_ps(s);
-  const bool stream = streams(b, out, j);
-  const size_t size = element_size(b.type);
-  alignas(64) uint8_t tile[64];
+  Groups g(b, out, j);
   for (; j + 16 <= end; j += 16) {
-    const __m128i c = b.form == QuantForm::kInt8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j))
-                                                 : unpack16(codes + j / 2);
-    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), scale);
-    if (stream) {
-      store_elements16(tile, b.type, 0, v);
-      stream_tile(static_cast<char*>(out) + j * size, tile, 16 * size);
-    } else {
-      store_elements16(out, b.type, j, v);
-    }
+    store_elements16(g.to(), b.type, g.at(j),
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes16(b, codes, j))), scale));
+    if (g.stream) stream_tile(g.out + j * g.size, g.tile, 16 * g.size);
   }
   return j;
 }
@@ -84,19 +95,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) size_t block_avx512(const D
 __attribute__((target("avx2,fma,f16c"))) size_t block_avx2(const DequantBuffers& b, const uint8_t* codes,
                                                             void* out, size_t j, size_t end, float s) {
   const __m256 scale = _mm256_set1_ps(s);
-  const bool stream = streams(b, out, j);
-  const size_t size = element_size(b.type);
-  alignas(64) uint8_t tile[64];
+  Groups g(b, out, j);
   for (; j + 16 <= end; j += 16) {
-    const __m128i c = b.form == QuantForm::kInt8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j))
-                                                 : unpack16(codes + j / 2);
-    const __m256 low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), scale);
-    const __m256 high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), scale);
-    void* to = stream ? static_cast<void*>(tile) : out;
-    const size_t at = stream ? 0 : j;
-    store_elements8(to, b.type, at, low);
-    store_elements8(to, b.type, at + 8, high);
-    if (stream) stream_tile(static_cast<char*>(out) + j * size, tile, 16 * size);
+    const __m128i c = codes16(b, codes, j);
+    store_elements8(g.to(), b.type, g.at(j), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), scale));
+    store_elements8(g.to(), b.type, g.at(j) + 8,
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), scale));
+    if (g.stream) stream_tile(g.out + j * g.size, g.tile, 16 * g.size);
   }
   return j;
 }
