@@ -31,7 +31,7 @@ from infinity.errors import ModelFormatError
 from infinity.torch.model_folder import ModelFolder, SourceFile, TensorEntry
 from infinity.torch.quantize import BLOCK_SIZES, DTYPES, QuantizedWeight, codes_shape, quantize
 
-ROWS_BYTES = 2 << 20  # source bytes quantized at once (at least one row)
+ROWS_BYTES = 1 << 20  # source bytes quantized at once (at least one row)
 
 
 def quantizable(folder: ModelFolder) -> list[TensorEntry]:

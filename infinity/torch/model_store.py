@@ -32,7 +32,9 @@ mapping) straight into the store's slices: with an NVMe tier, a tensor larger th
 chunk passes through the stream's few staging slices to NVMe, chunk by chunk; a smaller one,
 or any without an NVMe tier, is read into its own slice of the CPU tier. The importer holds no
 copy of a tensor: besides the interpreter, only the daemon's shared memory it fills and a
-small read buffer. Small files (at most `MAX_SMALL_FILE_BYTES` each) are read whole.
+small read buffer. Small files (at most `MAX_SMALL_FILE_BYTES` each) are read whole. Quantized
+copies are made from the file a chunk of rows at a time (`model_quantized`): the importer holds
+that chunk, its temporaries and one tensor's scales.
 
 Durability: with an NVMe tier, `flush_store` makes every tensor durable before the manifest is
 put durable; so a kill at any moment leaves either no manifest or a complete model. (It
