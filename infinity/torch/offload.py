@@ -189,6 +189,10 @@ class _Unit:
                 view = self.state.dequantized.take(entry.quantized, view, next(views))
                 self.buffers.append(view)
             self.state._hold(entry, self, view)
+        if len(self.buffers) == len(self.entries):
+            # Every parameter computes from its buffer: the codes and scales can go back now,
+            # free to be evicted (`release` releases the lease again, which does nothing).
+            lease.release()
 
     def release(self) -> None:
         if self.lease is None:
