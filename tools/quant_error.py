@@ -10,7 +10,8 @@ same every run), for each form:
 - logits, teacher-forced (every position of every prompt, one forward): the largest and the mean
   absolute difference from full precision's, and both relative to full precision's largest
   |logit|;
-- the share of those positions whose greedy token (the argmax) changes;
+- the share of those positions whose greedy token (the argmax) changes, beside the median lead
+  of full precision's greedy token over the next one (an error of that size changes it);
 - the share of greedy tokens that change when generating `--new-tokens` from each prompt
   (position by position: after a first change the continuations usually part).
 
@@ -79,8 +80,13 @@ def measure(folder: str, *, forms: list[str], prompts: int, prompt_tokens: int,
     started = time.perf_counter()
     exact_logits, exact_tokens = outputs(load(folder, None), ids, new_tokens)
     scale = exact_logits.abs().max().item()
+    top2 = exact_logits.topk(2, dim=-1).values
     result: dict[str, Any] = {"folder": folder, "prompts": prompts, "prompt_tokens": prompt_tokens,
-                              "new_tokens": new_tokens, "logit_scale": scale, "forms": {}}
+                              "new_tokens": new_tokens, "logit_scale": scale,
+                              # How far full precision's greedy token leads the next one: an
+                              # error of this size changes it (small for seeded random weights).
+                              "top2_margin_median": (top2[..., 0] - top2[..., 1]).median().item(),
+                              "forms": {}}
     for form in forms:
         logits, tokens = outputs(load(folder, form), ids, new_tokens)
         difference = (logits - exact_logits).abs()
