@@ -154,6 +154,13 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class QuantizedFormNotFoundError(ModelNotFoundError):
+    """The model imported into a namespace has no quantized copy of the form asked for (int8,
+    int4): it was imported without `--quantize FORM` (raised by the client, never sent)."""
+
+    code = "quantized_form_not_found"
+
+
 # --- imported models ---------------------------------------------------------
 
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpu.h"
+#include "elements.h"
 
 // The arithmetic below is written operation by operation in the order torch's single-tensor
 // Adam performs it (mul_, lerp_, mul_ + addcmul_, sqrt / bias correction + eps, addcdiv_), with
@@ -51,91 +52,9 @@ Scalars scalars_of(const AdamHyper& h) {
   return s;
 }
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7FC0;  // torch's quiet NaN
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// IEEE half precision in software: the scalar path must run on CPUs without F16C.
-inline float f16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);  // inf, NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    uint32_t e = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --e;
-    }
-    bits = sign | (e << 23) | ((mant & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_f16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));  // NaN
-  if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to inf, or is inf
-  if (abs < 0x38800000u) {  // a half subnormal (or zero): round the shifted mantissa, ties to even
-    if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
-    const uint32_t exp = abs >> 23;
-    const uint32_t mant = (abs & 0x7FFFFFu) | 0x800000u;
-    const uint32_t shift = 126u - exp;  // 14 .. 24
-    const uint32_t half_mant = mant >> shift;
-    const uint32_t rest = mant & ((1u << shift) - 1u);
-    const uint32_t halfway = 1u << (shift - 1u);
-    const uint32_t up = (rest > halfway || (rest == halfway && (half_mant & 1u))) ? 1u : 0u;
-    return static_cast<uint16_t>(sign | (half_mant + up));
-  }
-  // Normal: rebias the exponent and round 13 mantissa bits away, ties to even (a carry into
-  // the exponent is the right result, up to inf).
-  const uint32_t rebased = abs - 0x38000000u;
-  const uint32_t up = 0xFFFu + ((rebased >> 13) & 1u);
-  return static_cast<uint16_t>(sign | ((rebased + up) >> 13));
-}
-
-inline float load_grad(const void* grad, ElementType type, size_t i) {
-  switch (type) {
-    case ElementType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
-    case ElementType::kFloat16: return f16_to_float(static_cast<const uint16_t*>(grad)[i]);
-    default: return static_cast<const float*>(grad)[i];
-  }
-}
-
-inline void store_low(void* low, ElementType type, size_t i, float value) {
-  if (type == ElementType::kBFloat16)
-    static_cast<uint16_t*>(low)[i] = float_to_bf16(value);
-  else if (type == ElementType::kFloat16)
-    static_cast<uint16_t*>(low)[i] = float_to_f16(value);
-  else if (type == ElementType::kFloat32)
-    static_cast<float*>(low)[i] = value;
-}
-
 void step_scalar(const AdamBuffers& b, const Scalars& s, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    float g = load_grad(b.grad, b.grad_type, i) * s.grad_scale;
+    float g = load_element(b.grad, b.grad_type, i) * s.grad_scale;
     float p = b.param[i];
     if (s.l2 != 0.0f) g = std::fma(p, s.l2, g);
     if (s.decay != 1.0f) p = p * s.decay;
@@ -149,42 +68,11 @@ void step_scalar(const AdamBuffers& b, const Scalars& s, size_t begin, size_t en
     b.param[i] = p;
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;
-    if (b.low != nullptr) store_low(b.low, b.low_type, i, p);
+    if (b.low != nullptr) store_element(b.low, b.low_type, i, p);
   }
 }
 
 // --- AVX-512: 16 elements at a time -------------------------------------------------------
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_grad16(const void* grad,
-                                                                                ElementType type,
-                                                                                size_t i) {
-  if (type == ElementType::kBFloat16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-  if (type == ElementType::kFloat16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm512_cvtph_ps(raw);
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_low16(void* low, ElementType type,
-                                                                             size_t i, __m512 p) {
-  if (type == ElementType::kBFloat16) {
-    const __m512i bits = _mm512_castps_si512(p);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(low) + i), _mm512_cvtepi32_epi16(rounded));
-  } else if (type == ElementType::kFloat16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(low) + i),
-                        _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else if (type == ElementType::kFloat32) {
-    _mm512_storeu_ps(static_cast<float*>(low) + i, p);
-  }
-}
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void step_avx512(const AdamBuffers& b, const Scalars& s,
                                                                        size_t begin, size_t end) {
@@ -200,7 +88,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void step_avx512(const Adam
   const bool use_l2 = s.l2 != 0.0f, use_decay = s.decay != 1.0f, small = s.lerp_small;
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    __m512 g = _mm512_mul_ps(load_grad16(b.grad, b.grad_type, i), grad_scale);
+    __m512 g = _mm512_mul_ps(load_elements16(b.grad, b.grad_type, i), grad_scale);
     __m512 p = _mm512_loadu_ps(b.param + i);
     if (use_l2) g = _mm512_fmadd_ps(p, l2, g);
     if (use_decay) p = _mm512_mul_ps(p, decay);
@@ -213,42 +101,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void step_avx512(const Adam
     _mm512_storeu_ps(b.param + i, p);
     _mm512_storeu_ps(b.exp_avg + i, m);
     _mm512_storeu_ps(b.exp_avg_sq + i, v);
-    if (b.low != nullptr) store_low16(b.low, b.low_type, i, p);
+    if (b.low != nullptr) store_elements16(b.low, b.low_type, i, p);
   }
   step_scalar(b, s, i, end);
 }
 
 // --- AVX2 (+FMA, F16C): 8 elements at a time ----------------------------------------------
-
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load_grad8(const void* grad, ElementType type, size_t i) {
-  if (type == ElementType::kBFloat16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-  if (type == ElementType::kFloat16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    return _mm256_cvtph_ps(raw);
-  }
-  return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
-}
-
-__attribute__((target("avx2,fma,f16c"))) inline void store_low8(void* low, ElementType type, size_t i, __m256 p) {
-  if (type == ElementType::kBFloat16) {
-    const __m256i bits = _mm256_castps_si256(p);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-    // Each 32-bit lane holds a value below 0x10000, so the unsigned-saturating pack keeps it.
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(low) + i), packed);
-  } else if (type == ElementType::kFloat16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(low) + i),
-                     _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else if (type == ElementType::kFloat32) {
-    _mm256_storeu_ps(static_cast<float*>(low) + i, p);
-  }
-}
 
 __attribute__((target("avx2,fma,f16c"))) void step_avx2(const AdamBuffers& b, const Scalars& s, size_t begin,
                                                         size_t end) {
@@ -264,7 +122,7 @@ __attribute__((target("avx2,fma,f16c"))) void step_avx2(const AdamBuffers& b, co
   const bool use_l2 = s.l2 != 0.0f, use_decay = s.decay != 1.0f, small = s.lerp_small;
   size_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(load_grad8(b.grad, b.grad_type, i), grad_scale);
+    __m256 g = _mm256_mul_ps(load_elements8(b.grad, b.grad_type, i), grad_scale);
     __m256 p = _mm256_loadu_ps(b.param + i);
     if (use_l2) g = _mm256_fmadd_ps(p, l2, g);
     if (use_decay) p = _mm256_mul_ps(p, decay);
@@ -277,30 +135,15 @@ __attribute__((target("avx2,fma,f16c"))) void step_avx2(const AdamBuffers& b, co
     _mm256_storeu_ps(b.param + i, p);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
-    if (b.low != nullptr) store_low8(b.low, b.low_type, i, p);
+    if (b.low != nullptr) store_elements8(b.low, b.low_type, i, p);
   }
   step_scalar(b, s, i, end);
 }
 
 using StepFn = void (*)(const AdamBuffers&, const Scalars&, size_t, size_t);
 
-bool has_f16c() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
 
-StepFn pick_step() {
-  const std::string level = simd_level();
-  if (level == "avx512") return step_avx512;
-  if (level == "avx2" && has_f16c()) return step_avx2;
-  return step_scalar;
-}
-
-const StepFn kStep = pick_step();
+const StepFn kStep = by_simd_level<StepFn>(step_avx512, step_avx2, step_scalar);
 
 StepFn step_named(const std::string& name) {
   if (name == "auto") return kStep;
@@ -363,7 +206,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void bound_avx512(const Ada
                                                                         size_t end) {
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    const __m512 g = load_grad16(b.grad, b.grad_type, i);
+    const __m512 g = load_elements16(b.grad, b.grad_type, i);
     const __m512 p = _mm512_add_ps(_mm512_loadu_ps(b.param + i), g);
     _mm512_storeu_ps(b.param + i, p);
     // m + 0 * g: the value read (for a finite gradient), stored by an arithmetic result the
@@ -371,24 +214,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void bound_avx512(const Ada
     const __m512 none = _mm512_mul_ps(g, _mm512_setzero_ps());
     _mm512_storeu_ps(b.exp_avg + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg + i), none));
     _mm512_storeu_ps(b.exp_avg_sq + i, _mm512_add_ps(_mm512_loadu_ps(b.exp_avg_sq + i), none));
-    if (b.low != nullptr) store_low16(b.low, b.low_type, i, p);
+    if (b.low != nullptr) store_elements16(b.low, b.low_type, i, p);
   }
   for (; i < end; ++i) {
-    const float g = load_grad(b.grad, b.grad_type, i);
+    const float g = load_element(b.grad, b.grad_type, i);
     b.param[i] += g;
     b.exp_avg[i] += 0.0f * g;
     b.exp_avg_sq[i] += 0.0f * g;
-    if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
+    if (b.low != nullptr) store_element(b.low, b.low_type, i, b.param[i]);
   }
 }
 
 void bound_scalar(const AdamBuffers& b, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    const float g = load_grad(b.grad, b.grad_type, i);
+    const float g = load_element(b.grad, b.grad_type, i);
     b.param[i] += g;
     b.exp_avg[i] += 0.0f * g;
     b.exp_avg_sq[i] += 0.0f * g;
-    if (b.low != nullptr) store_low(b.low, b.low_type, i, b.param[i]);
+    if (b.low != nullptr) store_element(b.low, b.low_type, i, b.param[i]);
   }
 }
 
@@ -407,7 +250,7 @@ namespace {
 GradStats stats_scalar(const void* grad, ElementType type, size_t begin, size_t end) {
   GradStats out;
   for (size_t i = begin; i < end; ++i) {
-    const float g = load_grad(grad, type, i);
+    const float g = load_element(grad, type, i);
     if (!std::isfinite(g)) out.nonfinite = true;
     out.sum_of_squares += static_cast<double>(g) * static_cast<double>(g);
   }
@@ -422,7 +265,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) GradStats stats_avx512(cons
   const __m512i exponent = _mm512_set1_epi32(0x7F800000);
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    const __m512 g = load_grad16(grad, type, i);
+    const __m512 g = load_elements16(grad, type, i);
     // inf and NaN are the values whose exponent bits are all set.
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(g), exponent), exponent);
     const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(g));

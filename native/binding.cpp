@@ -13,6 +13,7 @@
 #include "copy.h"
 #include "cpu.h"
 #include "crc32c.h"
+#include "dequantize.h"
 #include "engine.h"
 #include "errors.h"
 #include "kaio.h"
@@ -272,6 +273,32 @@ PYBIND11_MODULE(_native, m) {
       },
       "grad"_a, "dtype"_a, "numel"_a,
       "(sum of squares in double, any inf or NaN) of a gradient's numel elements.");
+  m.def(
+      "dequantize",
+      [](uint64_t codes, uint64_t scales, uint64_t out, const std::string& form, const std::string& dtype,
+         int64_t rows, int64_t n, int64_t block, int num_threads) {
+        if (rows < 0 || n < 0 || block < 0)
+          throw py::value_error("rows, n and block must be >= 0 (they are " + std::to_string(rows) + ", " +
+                                std::to_string(n) + ", " + std::to_string(block) + ")");
+        if (form != "int8" && form != "int4") throw py::value_error("form is " + form + "; it must be int8 or int4");
+        infinity::DequantBuffers b;
+        b.codes = reinterpret_cast<const void*>(codes);
+        b.scales = reinterpret_cast<const void*>(scales);
+        b.out = reinterpret_cast<void*>(out);
+        b.form = form == "int8" ? infinity::QuantForm::kInt8 : infinity::QuantForm::kInt4;
+        b.type = element_type(dtype, "dtype");
+        b.rows = static_cast<size_t>(rows);
+        b.n = static_cast<size_t>(n);
+        b.block = static_cast<size_t>(block);
+        const std::string problem = infinity::dequantize_check(b);
+        if (!problem.empty()) throw py::value_error(problem);
+        py::gil_scoped_release nogil;
+        infinity::dequantize(b, num_threads);
+      },
+      "codes"_a, "scales"_a, "out"_a, "form"_a, "dtype"_a, "rows"_a, "n"_a, "block"_a, "num_threads"_a = 1,
+      "Write code * scale into out (dtype, rows x n) from block-wise int8 or int4 codes and their scales "
+      "(dtype, rows x ceil(n / block)), in one pass (infinity.torch.quantize's format).");
+  m.def("dequantize_implementation", &infinity::dequantize_implementation);
   m.def("adam_implementation", &infinity::adam_implementation, "\"avx512\" | \"avx2\" | \"scalar\"");
   m.def("crc32c_implementation", &infinity::crc32c_implementation);
   m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");

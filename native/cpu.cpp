@@ -16,4 +16,13 @@ const char* simd_level() {
   return "scalar";
 }
 
+bool has_f16c() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
 }  // namespace infinity

@@ -385,15 +385,19 @@ def test_infinity_import_says_plainly_that_no_daemon_runs(disk_tmp: str) -> None
 # --- memory -------------------------------------------------------------------------------------
 
 
-def test_importing_a_model_keeps_the_importers_memory_bounded(
+def test_importing_a_model_and_its_int8_copy_keeps_the_importers_memory_bounded(
         daemon_factory: Callable[..., RunningDaemon], model_dir: Callable[[str], str]) -> None:
-    """A GPT-2 of 115 MB in float32 imported by a fresh process into a daemon whose CPU tier is
-    8 MiB: the importer's resident peak grows by less than `bound`, a quarter of the model.
-    The bound: the CPU tier (the shared memory the importer fills, staging slices and small
-    tensors' slices), a read buffer of at most 8 MiB, and 16 MiB for the interpreter's own
-    allocations along the way (JSON, the lists of names). An importer that held the model, or
-    mapped its file, would grow by the model's size."""
+    """A GPT-2 of 115 MB in float32 imported, with its int8 copy (int4's takes the same path),
+    by a fresh process into a daemon whose CPU tier is 8 MiB: the importer's resident peak grows
+    by less than `bound`, under a third of the model. The bound: the CPU tier (the shared memory
+    the importer fills, staging slices and small tensors' slices), a read buffer of at most 8
+    MiB, the rows being quantized with their temporaries (4 x ROWS_BYTES: the source, padded,
+    absolute values and quotients in float32) and 16 MiB for the interpreter's own allocations
+    along the way (JSON, the lists of names, one tensor's scales). An importer that held the
+    model, its codes, or mapped its file, would grow by their size."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infinity.torch.model_quantized import ROWS_BYTES
 
     daemon = daemon_factory(nvme_tier=True, **PREFETCH_SETTINGS)
     torch.manual_seed(0)
@@ -402,18 +406,19 @@ def test_importing_a_model_keeps_the_importers_memory_bounded(
     folder = save_model(model, model_dir("gpt2-large-ish"))
     del model
     model_bytes = sum(t.numel() * t.element_size() for t in weights_in(folder).values())
-    bound = PREFETCH_SETTINGS["cpu.budget_bytes"] + (8 << 20) + (16 << 20)
+    bound = PREFETCH_SETTINGS["cpu.budget_bytes"] + (8 << 20) + 4 * ROWS_BYTES + (16 << 20)
     assert model_bytes > 3 * bound
     warm_up = save_model(tiny_models.gpt2(), model_dir("warm-up"))
     script = os.path.join(os.path.dirname(__file__), "model_import_rss.py")
     done = subprocess.run(
         [sys.executable, script, os.path.join(daemon.root, "settings.toml"), daemon.runtime_dir,
-         warm_up, folder],
+         warm_up, folder, "int8"],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.splitlines()[-1])
     assert measured["tensor_bytes"] == model_bytes
+    assert measured["quantized"] == ["int8"]
     growth = measured["peak_rss_bytes"] - measured["rss_before_bytes"]
     assert growth < bound, measured
 

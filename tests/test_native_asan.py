@@ -1,5 +1,5 @@
-"""Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC, task-pool and error paths
-under it."""
+"""Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC, task-pool, Adam,
+dequantization and error paths under it."""
 
 from __future__ import annotations
 
@@ -196,6 +196,18 @@ SCRIPT = textwrap.dedent(
         raise SystemExit("overlapping Adam buffers accepted")
     except ValueError:
         pass
+
+    # Dequantization (int8, int4) into each type, buffers of exactly their size (over 512 bytes:
+    # malloc's, which ASan watches): vector loops and scalar tails stay inside them, split over
+    # the task pool too.
+    for form, block in (("int8", 8), ("int4", 10)):
+        for dtype, size in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
+            for rows, cols, threads in ((9, 301, 1), (700, 401, 3)):
+                codes = (ctypes.c_uint8 * (rows * (cols if form == "int8" else (cols + 1) // 2)))()
+                scales = (ctypes.c_uint8 * (rows * -(-cols // block) * size))()
+                result = (ctypes.c_uint8 * (rows * cols * size))()
+                n.dequantize(ctypes.addressof(codes), ctypes.addressof(scales),
+                             ctypes.addressof(result), form, dtype, rows, cols, block, threads)
 
     # Huge pages for shared memory: a memfd with bytes in it, an odd length, a bad fd.
     fd = os.memfd_create("asan")

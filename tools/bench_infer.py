@@ -1,16 +1,18 @@
 """Benchmark streamed generation: Infinity against Accelerate's disk offload, the same memory limit.
 
     .venv/bin/python tools/bench_infer.py [--rounds 2] [--new-tokens 16] [--prompt-tokens 32]
-                                          [--batch 4] [--configs memory,infinity,accelerate]
-                                          [--dir /var/tmp] [--quick] > bench_infer.json
+                                          [--batch 4] [--dir /var/tmp] [--quick]
+                                          [--configs memory,infinity,infinity-int8,infinity-int4,accelerate]
+                                          > bench_infer.json
 
 Must run as root on a machine with cgroup v1's memory controller (/sys/fs/cgroup/memory): each
 subject runs in a memory cgroup of its own. JSON on stdout, progress on stderr.
 
 The model: a Llama of about 1.1B parameters (TinyLlama's shape) built from a config with seeded
 weights and saved in bf16 with `save_pretrained` (2.2 GB, in shards; kept under `--dir` between
-runs), imported into a private infinityd's store once (`infinity.torch.model_store`). The memory
-budget is a quarter of the weight bytes.
+runs), imported into a private infinityd's store once (`infinity.torch.model_store`), with its
+int8 and int4 copies where a quantized subject runs. The memory budget is a quarter of the
+(bf16) weight bytes, for every subject.
 
 The subjects, each a fresh worker process per round (tools/peers/worker_protocol.py), in a memory
 cgroup whose limit, page cache included, is the budget plus the same fixed allowance for the
@@ -22,6 +24,8 @@ budget:
 - `infinity`: a private infinityd whose CPU tier is the budget (the daemon is the worker's child,
   in the same cgroup), the model built with `infinity.torch.generation.load_causal_lm`: weights
   stream from NVMe, prefetched by the step trace;
+- `infinity-int8`, `infinity-int4`: the same, streaming the import's quantized copies of the
+  linear layers' weights (`load_causal_lm(quantization=...)`), dequantized layer by layer;
 - `accelerate`: transformers + Accelerate, `device_map="auto"` with `max_memory={"cpu": budget}`
   (tools/peers/accelerate_generate_worker.py, in the peers' venv from tools/peers/setup_peers.sh;
   "skipped" where it is missing). Its offloaded weights are read from the safetensors files
@@ -37,10 +41,16 @@ Last, the shared copy: one infinityd whose CPU tier holds the whole model and `-
 worker processes generating from it, against the same number of processes each loading the model
 (`from_pretrained`), and one of each: the cgroups' peak memory (page cache included).
 
-Reported: medians of every figure, the tokens of each subject (they must agree: the same greedy
-tokens), the ratios and the issue's targets: seconds per token at least 3x better than
-Accelerate's, within 1.25x of max(in memory, disk floor), and the processes sharing one copy
-using at most 1.2x the memory of one.
+Reported: medians of every figure, the tokens of each subject (the full-precision ones must
+agree: the same greedy tokens; for each quantized one, the share of its tokens that differ from
+the model in memory's), the ratios and the issue's targets: seconds per token at least 3x better
+than Accelerate's (5x with int8), within 1.25x of max(in memory, disk floor), and the processes
+sharing one copy using at most 1.2x the memory of one. Each form's disk floor counts the bytes
+that form streams (its copies, and the tensors left in full precision) beyond the budget.
+
+The quantized copies' error against full precision on the same model (tools/quant_error.py, in
+memory, no limit: the largest and mean absolute difference of the logits over a fixed prompt set,
+the share of greedy tokens that change) runs last, unless `--no-error`.
 
 `--quick` uses a tiny Llama (4 layers, 64 wide): a smoke run whose figures mean nothing.
 """
@@ -54,6 +64,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,7 +78,8 @@ import generate_common  # noqa: E402
 from peers import worker_protocol  # noqa: E402
 from peers.worker_protocol import Worker  # noqa: E402
 
-CONFIGS = ("memory", "infinity", "accelerate")
+CONFIGS = ("memory", "infinity", "infinity-int8", "infinity-int4", "accelerate")
+FORMS = {"infinity-int8": "int8", "infinity-int4": "int4"}  # the quantized subjects' forms
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 ACCELERATE_WORKER = TOOLS / "peers" / "accelerate_generate_worker.py"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -178,7 +190,8 @@ class GenerateWorker:
             else:  # attach to a running one
                 config = load_config(env={}, overrides=[f"daemon.runtime_dir={request['runtime_dir']}"])
             self.client = infinity.connect(config=config, name=request.get("name", "bench-infer"))
-            self.model = load_causal_lm(self.client, namespace=NAMESPACE)
+            self.model = load_causal_lm(self.client, namespace=NAMESPACE,
+                                        quantization=FORMS.get(self.config))
         return {"load_s": time.perf_counter() - started,
                 "daemon_pid": self.daemon.pid if self.daemon is not None else None}
 
@@ -254,14 +267,19 @@ def daemon_settings(work: Path, *, cpu_budget_bytes: int, weight_bytes: int) -> 
             "daemon.request_timeout_s": 600.0,
             "cpu.budget_bytes": max(segment, cpu_budget_bytes // segment * segment),
             "cpu.segment_bytes": segment, "nvme.dirs": [str(store)],
-            "nvme.capacity_bytes_per_dir": (2 * weight_bytes + (1 << 30)) // 4096 * 4096,
+            # The weights, their int8 and int4 copies (at most 0.8x of them) and room.
+            "nvme.capacity_bytes_per_dir": (3 * weight_bytes + (1 << 30)) // 4096 * 4096,
             "scheduler.prefetch": True}
 
 
-def import_model(model_dir: Path, work: Path, weight_bytes: int) -> dict[str, Any]:
+def import_model(model_dir: Path, work: Path, weight_bytes: int,
+                 forms: tuple[str, ...]) -> dict[str, Any]:
+    """Import the model (with the quantized `forms`); the import's time, its report, and the
+    bytes each form streams a token (full precision: "bf16")."""
     import infinity
     from bench_launch import start_daemon
     from infinity.torch.model_store import import_model as store_import
+    from infinity.torch.model_store import require_model
 
     settings = daemon_settings(work, cpu_budget_bytes=max(64 * MiB, weight_bytes // 4),
                                weight_bytes=weight_bytes)
@@ -269,15 +287,35 @@ def import_model(model_dir: Path, work: Path, weight_bytes: int) -> dict[str, An
     try:
         client = infinity.connect(config=config, name="bench-infer-import")
         started = time.perf_counter()
-        report = store_import(client, str(model_dir), namespace=NAMESPACE, progress=False)
+        report = store_import(client, str(model_dir), namespace=NAMESPACE, progress=False,
+                              quantize=forms)
         seconds = time.perf_counter() - started
+        manifest = require_model(client, NAMESPACE)
         client.shutdown_daemon()
         client.close()
         daemon.wait(60)
     finally:
         if daemon.poll() is None:
             daemon.kill()
-    return {"import_s": seconds, "report": str(report)}
+    return {"import_s": seconds, "report": str(report),
+            "streamed_bytes": streamed_bytes(manifest, weight_bytes)}
+
+
+def streamed_bytes(manifest: dict[str, Any], weight_bytes: int) -> dict[str, int]:
+    """The bytes a token's forward leases, per form: every weight in full precision, or the
+    form's copies plus the tensors it leaves in full precision."""
+    import math
+
+    import torch
+
+    def full(name: str) -> int:
+        spec = manifest["tensors"][name]
+        return math.prod(spec["shape"]) * getattr(torch, spec["dtype"]).itemsize
+
+    figures = {"bf16": weight_bytes}
+    for form, record in (manifest.get("quantized") or {}).items():
+        figures[form] = weight_bytes - sum(full(n) for n in record["tensors"]) + record["bytes"]
+    return figures
 
 
 def median(values: list[float]) -> float | None:
@@ -294,7 +332,7 @@ def one_turn(config: str, args: argparse.Namespace, *, model_dir: Path, work: Pa
         worker = start_worker(config, work / "logs", group)
         try:
             request: dict[str, Any] = {"model_dir": str(model_dir)}
-            if config == "infinity":
+            if config.startswith("infinity"):
                 request.update(folder=str(work),
                                settings=daemon_settings(work, cpu_budget_bytes=budget_bytes,
                                                         weight_bytes=weight_bytes))
@@ -385,29 +423,66 @@ def summarize(result: dict[str, Any], read_gbps: float) -> None:
             "errors": [t["error"] for t in turns if "error" in t],
         }
     result["summary"] = per_config
-    floor_bytes = max(0, result["weight_bytes"] - result["budget_bytes"])
-    floor_s = floor_bytes / (read_gbps * 1e9) if read_gbps else None
-    result["disk_floor"] = {"bytes_per_token": floor_bytes, "read_gbps": round(read_gbps, 3),
-                            "seconds_per_token": floor_s}
-    tokens = {c: t[0]["single"]["tokens"] for c, t in result["turns"].items()
-              if t and "single" in t[0]}
-    result["same_greedy_tokens"] = len({json.dumps(v) for v in tokens.values()}) <= 1
-    ours = per_config.get("infinity", {}).get("per_token_s")
-    theirs = per_config.get("accelerate", {}).get("per_token_s")
+    budget = result["budget_bytes"]
+    streamed = (result.get("import") or {}).get("streamed_bytes") or {"bf16": result["weight_bytes"]}
+    floors: dict[str, Any] = {}
+    for form, nbytes in streamed.items():
+        floor_bytes = max(0, nbytes - budget)
+        floors[form] = {"streamed_bytes": nbytes, "bytes_per_token": floor_bytes,
+                        "seconds_per_token": floor_bytes / (read_gbps * 1e9) if read_gbps else None}
+    result["disk_floor"] = {**floors["bf16"], "read_gbps": round(read_gbps, 3), "by_form": floors}
+    first_tokens = {c: t[0] for c, t in ((c, [x for x in turns if "single" in x])
+                                         for c, turns in result["turns"].items()) if t}
+    full = {c: first["single"]["tokens"] for c, first in first_tokens.items() if c not in FORMS}
+    result["same_greedy_tokens"] = len({json.dumps(v) for v in full.values()}) <= 1
+    reference = first_tokens.get("memory") or first_tokens.get("infinity")
+    changed: dict[str, Any] = {}
+    for config, first in first_tokens.items():
+        if config in FORMS and reference is not None:
+            changed[config] = {run: changed_share(first[run]["tokens"], reference[run]["tokens"])
+                               for run in ("single", "batched") if run in first and run in reference}
+    result["quantized_tokens_changed"] = changed
     in_memory = per_config.get("memory", {}).get("per_token_s")
+    theirs = per_config.get("accelerate", {}).get("per_token_s")
     targets: dict[str, Any] = {}
-    if ours and theirs:
-        targets["faster_than_accelerate"] = {"ratio": round(theirs / ours, 2), "target": 3.0,
-                                             "met": theirs / ours >= 3.0}
-    if ours and in_memory and floor_s is not None:
-        bound = max(in_memory, floor_s)
-        targets["over_bound"] = {"ratio": round(ours / bound, 3), "bound_s": bound,
-                                 "target": 1.25, "met": ours / bound <= 1.25}
+    for config, form, target in (("infinity", "bf16", 3.0), ("infinity-int8", "int8", 5.0),
+                                 ("infinity-int4", "int4", None)):
+        ours = per_config.get(config, {}).get("per_token_s")
+        suffix = "" if config == "infinity" else "_" + form
+        if ours and theirs:
+            ratio = theirs / ours
+            targets["faster_than_accelerate" + suffix] = {
+                "ratio": round(ratio, 2), "target": target,
+                "met": ratio >= target if target is not None else None}
+        floor_s = floors.get(form, {}).get("seconds_per_token")
+        if ours and in_memory and floor_s is not None:
+            bound = max(in_memory, floor_s)
+            targets["over_bound" + suffix] = {
+                "ratio": round(ours / bound, 3), "bound_s": bound,
+                "target": 1.25 if config == "infinity" else None,
+                "met": ours / bound <= 1.25 if config == "infinity" else None}
     share = result.get("shared_copy")
     if share:
         targets["shared_copy"] = {"ratio": share["infinity_ratio"], "target": 1.2,
                                   "met": share["infinity_ratio"] <= 1.2}
     result["targets"] = targets
+
+
+def changed_share(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of positions whose token differs (sequences of equal lengths)."""
+    pairs = [(a, b) for row, ref in zip(tokens, reference) for a, b in zip(row, ref)]
+    return round(sum(a != b for a, b in pairs) / max(1, len(pairs)), 4)
+
+
+def quantization_error(model_dir: Path, forms: list[str], args: argparse.Namespace) -> Any:
+    """tools/quant_error.py on the benchmark's model, in a process of its own (no limit)."""
+    done = subprocess.run(
+        [sys.executable, str(TOOLS / "quant_error.py"), str(model_dir), "--forms", ",".join(forms),
+         "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)],
+        capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory beyond the budget for each subject's runtime")
     parser.add_argument("--share-processes", type=int, default=4)
     parser.add_argument("--no-share", action="store_true", help="leave out the shared-copy part")
+    parser.add_argument("--no-error", action="store_true",
+                        help="leave out the quantized copies' error (tools/quant_error.py)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.worker:
@@ -450,9 +527,10 @@ def main(argv: list[str] | None = None) -> int:
             result["turns"]["accelerate"] = [{"error": "skipped: no peers venv "
                                               "(tools/peers/setup_peers.sh)"}]
             configs.remove("accelerate")
-        if "infinity" in configs or not args.no_share:
-            log("importing the model into the store")
-            result["import"] = import_model(model_dir, work, weight_bytes)
+        forms = tuple(FORMS[c] for c in configs if c in FORMS)
+        if any(c.startswith("infinity") for c in configs) or not args.no_share:
+            log(f"importing the model into the store (quantized: {', '.join(forms) or 'no'})")
+            result["import"] = import_model(model_dir, work, weight_bytes, forms)
         bandwidth = EngineBandwidth(str(work), min(1 << 30, max(64 * MiB, weight_bytes // 2)))
         for round_index in range(args.rounds):
             order = configs[round_index % len(configs):] + configs[:round_index % len(configs)]
@@ -468,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
             result["shared_copy"] = shared_copy(args, model_dir=model_dir, work=work,
                                                 weight_bytes=weight_bytes,
                                                 vocab=spec["vocab_size"])
+        if forms and not args.no_error:
+            log("the quantized copies' error against full precision")
+            result["quantization_error"] = quantization_error(model_dir, list(forms), args)
         summarize(result, read_gbps)
     finally:
         logs = work / "logs"

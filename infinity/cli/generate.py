@@ -1,6 +1,7 @@
 """`infinity generate --namespace NAME "prompt"`: stream a completion from an imported model.
 
-The model's weights stay in the store (`infinity.torch.generation`); tokens are written to the
+The model's weights stay in the store (`infinity.torch.generation`), streamed in full precision
+or, with `--quantization int8|int4`, as the quantized copies the import made; tokens go to the
 terminal as they come, and a last line on stderr says how long the first token took and the
 seconds per token after it.
 """
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     client = infinity.connect(config=config, name="infinity-generate")
     try:
         tokenizer = load_tokenizer(client, namespace=args.namespace)
-        model = load_causal_lm(client, namespace=args.namespace)
+        model = load_causal_lm(client, namespace=args.namespace,
+                               quantization=args.quantization)
         inputs = tokenizer(args.prompt, return_tensors="pt")
         streamer = _TimedStreamer(tokenizer)
         options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, streamer=streamer)

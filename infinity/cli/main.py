@@ -31,6 +31,16 @@ def _bytes_at_least(minimum: int, why: str) -> Callable[[str], int]:
     return parse
 
 
+def _quantized_forms(text: str) -> list[str]:
+    """An argparse type: a comma-separated list of quantized forms (int8, int4)."""
+    forms = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [form for form in forms if form not in ("int8", "int4")]
+    if unknown or not forms:
+        raise argparse.ArgumentTypeError(f"{text!r} names no quantized form Infinity makes; use "
+                                         f"int8, int4 or int8,int4")
+    return forms
+
+
 # Subcommand -> the module of infinity.cli whose `run(args)` carries it out.
 COMMAND_MODULES = {"doctor": "doctor", "tune": "tune", "demo": "demo", "verify": "verify",
                    "import": "model_import", "models": "models", "generate": "generate"}
@@ -79,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the namespace to hold the model (its name in `infinity models`)")
     model_import.add_argument("--writable", action="store_true",
                               help="leave the namespace writable (default: read-only, sealed)")
+    model_import.add_argument("--quantize", action="append", default=[], type=_quantized_forms,
+                              metavar="FORM[,FORM]",
+                              help="keep block-wise quantized copies of the linear layers' "
+                              "weights beside them: int8, int4, or int8,int4 (repeatable; "
+                              "default none); an unchanged model imported before gets the "
+                              "forms it lacks added")
 
     models = sub.add_parser("models", help="list the models imported into the running infinityd")
     _add_config_flags(models)
@@ -97,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0,
                           help="nucleus sampling's probability mass, with --temperature")
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    generate.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                          help="stream the weights' quantized copies (imported with --quantize) "
+                          "instead of the full-precision ones: fewer bytes a token, dequantized "
+                          "layer by layer before use (default: full precision)")
     return parser
 
 

@@ -28,13 +28,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"models imported into infinityd ({len(models)})")
-    for column in ("namespace", "state", "type", "tensors", "MiB", "mode", "imported", "source"):
+    for column in ("namespace", "state", "type", "tensors", "MiB", "quantized", "mode",
+                   "imported", "source"):
         table.add_column(column, justify="right" if column in ("tensors", "MiB") else "left")
     for m in models:
         when = (time.strftime("%Y-%m-%d %H:%M", time.localtime(m.imported_at))
                 if m.imported_at else "")
         table.add_row(m.namespace, m.state, m.model_type, str(m.tensors),
-                      f"{m.tensor_bytes / (1 << 20):.1f}",
+                      f"{m.tensor_bytes / (1 << 20):.1f}", ",".join(m.quantized) or "-",
                       "read-only" if m.read_only else "writable", when, m.source)
     Console().print(table)
     return 0

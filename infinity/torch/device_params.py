@@ -18,6 +18,10 @@ Gradients come back through one host staging buffer (pinned on CUDA, so the copy
 is DMA) as large as the largest gradient: the gradient hook gets a view of it and writes it into
 the store (a put, or summed in place) before the next gradient needs the buffer.
 
+A parameter that computes with a quantized copy (`offload`'s `quantized=`) comes through the cache
+as its codes and scales, the bytes the budget counts; `offload` dequantizes them there, into
+buffers of the compute dtype outside the budget (one per weight present, reused by shape).
+
 With a `CpuCopier` the CPU is a device like any other: every get copies out of shared memory into
 memory of the process's own, so this path runs and is tested on machines without a GPU.
 """
@@ -76,14 +80,12 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def device_budget(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.dtype],
+def device_budget(model: nn.Module, nbytes: Callable[[nn.Parameter], int],
                   device: torch.device, budget_bytes: int | None) -> int:
     """The device cache's budget: as given, else every parameter's bytes, at most half the
     device's free memory; never less than the largest unit (it must be present whole).
-    `dtype_of` gives the dtype each parameter computes in (the stored one, not the model's)."""
-    def nbytes(param: nn.Parameter) -> int:
-        return param.numel() * dtype_of(param).itemsize
-
+    `nbytes` gives the bytes a unit leases for each parameter (in the stored dtype, not the
+    model's; a quantized copy's codes and scales where it computes with one)."""
     largest = max((sum(nbytes(p) for p in module.parameters(recurse=False))
                    for module in model.modules()), default=0)
     if budget_bytes is None:

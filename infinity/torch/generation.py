@@ -13,6 +13,13 @@ On the CPU the layers compute on the store's shared memory directly (read-only m
 namespace is read-only: every process of the node reads the same copy). On a CUDA device each
 layer is copied into a device-memory budget as `offload` does for training.
 
+`quantization="int8"` (or "int4") streams the block-wise quantized copies an import made
+(`infinity import --quantize`) instead of the full-precision weights of the linear layers: half
+(or about a quarter) of their bytes a token, from NVMe, through the CPU tier and over to a
+device; each layer's copy is dequantized on the compute device just before its forward, into a
+buffer of the compute dtype reused by the next layer (`infinity.torch.quantize`). The output is
+then close to the full-precision model's, not equal (docs/BENCHMARKS.md measures how close).
+
 `load_tokenizer` gives the tokenizer stored beside the weights, for `infinity generate`.
 """
 
@@ -26,7 +33,7 @@ import torch
 from infinity.client.device import DeviceCopier
 from infinity.errors import InvalidRequestError
 from infinity.torch.empty import empty_parameters
-from infinity.torch.model_store import require_model, write_model_files
+from infinity.torch.model_store import require_model, require_quantized, write_model_files
 from infinity.torch.offload import offload
 
 __all__ = ["load_causal_lm", "load_tokenizer"]
@@ -34,15 +41,19 @@ __all__ = ["load_causal_lm", "load_tokenizer"]
 
 def load_causal_lm(client: Any, *, namespace: str, device: torch.device | str | None = None,
                    device_budget_bytes: int | None = None,
-                   copier: DeviceCopier | None = None) -> Any:
+                   copier: DeviceCopier | None = None, quantization: str | None = None) -> Any:
     """The imported model of `namespace` as a transformers causal LM (a `PreTrainedModel`,
     typed Any here so that importing this module needs no transformers) whose weights stay in the
     store (see the module's docstring). It computes in the dtype its weights were imported in,
     on the CPU unless `device` (or `copier`) says otherwise; `device_budget_bytes` bounds the
-    device memory its weights take there."""
+    device memory its weights take there. `quantization` ("int8", "int4"; None: full
+    precision) streams those quantized copies; QuantizedFormNotFoundError where the import
+    made none."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     require_model(client, namespace)
+    quantized = (require_quantized(client, namespace, quantization)
+                 if quantization is not None else None)
     with tempfile.TemporaryDirectory(prefix="infinity-model-") as folder:
         write_model_files(client, namespace, folder)
         config = AutoConfig.from_pretrained(folder)
@@ -63,7 +74,7 @@ def load_causal_lm(client: Any, *, namespace: str, device: torch.device | str | 
     model.generation_config = generation_config
     model.eval()
     offload(model, client, namespace=namespace, from_store=True, inference=True, device=device,
-            device_budget_bytes=device_budget_bytes, copier=copier)
+            device_budget_bytes=device_budget_bytes, copier=copier, quantized=quantized)
     return model
 
 

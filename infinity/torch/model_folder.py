@@ -35,6 +35,7 @@ import torch
 from infinity.errors import InfinityError, ModelFormatError
 from infinity.io import crc32c
 from infinity.protocol import dtypes
+from infinity.torch.quantize import RESERVED_PREFIXES as QUANTIZED_PREFIXES
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,7 +50,8 @@ MAX_SMALL_FILE_BYTES = 64 << 20
 # The safetensors format refuses headers past 100 MB; so does this reader, before allocating.
 MAX_HEADER_BYTES = 100_000_000
 READ_BYTES = 8 << 20  # one read(2) at most: a piece's progress shows while a large one fills
-# The names an import keeps for itself in a model's namespace (see `model_store`).
+# The names an import keeps for itself in a model's namespace (see `model_store`; the quantized
+# copies' prefixes are `quantize`'s).
 RESERVED_NAME = "__model__"
 RESERVED_PREFIX = "__files__/"
 
@@ -288,9 +290,10 @@ def _entry(source: SourceFile, name: str, spec: Any, data_start: int) -> tuple[i
     if not name or len(name) > 1024 or "\x00" in name:
         raise ModelFormatError(f"{bad} has a name the store cannot hold (1 to 1024 characters, "
                                f"no NUL); rename it and save the model again")
-    if name == RESERVED_NAME or name.startswith(RESERVED_PREFIX):
+    if name == RESERVED_NAME or name.startswith((RESERVED_PREFIX, *QUANTIZED_PREFIXES)):
+        kept = ", ".join(f"{prefix}*" for prefix in (RESERVED_PREFIX, *QUANTIZED_PREFIXES))
         raise ModelFormatError(f"{bad} has a name an import keeps for itself ({RESERVED_NAME}, "
-                               f"{RESERVED_PREFIX}*); rename it and save the model again")
+                               f"{kept}); rename it and save the model again")
     if not isinstance(spec, dict):
         raise ModelFormatError(f"{bad} is described by {type(spec).__name__}, not an object; "
                                f"{RESAVE}")

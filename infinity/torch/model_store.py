@@ -8,22 +8,33 @@ An imported model in namespace NAME is laid out so (a contract: streamed generat
   as in the file (bf16 stays bf16);
 - every small file of the folder (config.json, generation_config.json, the tokenizer's files:
   see `model_folder`) as a 1-D uint8 tensor `__files__/<file name>`;
+- with `quantize=("int8",)` (or "int4", or both), for each weight of the model's linear layers
+  (`infinity.torch.quantize` says which, and why not the embeddings, the output projection or
+  the norms) a block-wise quantized copy beside it: its codes `__int8__/<name>` (int8, the
+  weight's shape) or `__int4__/<name>` (uint8, two codes a byte: the last dimension halved,
+  rounded up), and its scales `__int8_scales__/<name>` or `__int4_scales__/<name>` (the
+  weight's dtype, one per block of the last dimension: shape (rows, ceil(n / block)));
 - `__model__`, a 1-D uint8 tensor of UTF-8 JSON, the manifest, written last, once everything
   else is durable: format version, source folder, per source file its size and CRC32C, per
-  tensor its dtype, shape and file, the sum of tensor bytes, when and how long. A namespace
-  without it holds no complete imported model (`require_model` raises ModelNotFoundError).
+  tensor its dtype, shape and file, the sum of tensor bytes, when and how long, and under
+  "quantized" per form made its block size, the names of the tensors it has copies of and
+  their bytes (`quantized_forms`, `require_quantized`). A namespace without it holds no
+  complete imported model (`require_model` raises ModelNotFoundError).
 
 The registry namespace `infinity.models` holds one small uint8 JSON tensor per model, named by
 the model's namespace, so that listing models reads one namespace. It is written "importing"
 before the first tensor (so a later import knows the leftovers of one that was killed are an
-import's to clear) and "complete" after the manifest.
+import's to clear) and "complete" after the manifest; it lists the quantized forms held, so that
+`list_models` (and `infinity models`) shows them.
 
 Memory: each tensor goes through `Client.write_pieces`, read from the file (pread, no memory
 mapping) straight into the store's slices: with an NVMe tier, a tensor larger than a stream
 chunk passes through the stream's few staging slices to NVMe, chunk by chunk; a smaller one,
 or any without an NVMe tier, is read into its own slice of the CPU tier. The importer holds no
 copy of a tensor: besides the interpreter, only the daemon's shared memory it fills and a
-small read buffer. Small files (at most `MAX_SMALL_FILE_BYTES` each) are read whole.
+small read buffer. Small files (at most `MAX_SMALL_FILE_BYTES` each) are read whole. Quantized
+copies are made from the file a chunk of rows at a time (`model_quantized`): the importer holds
+that chunk, its temporaries and one tensor's scales.
 
 Durability: with an NVMe tier, `flush_store` makes every tensor durable before the manifest is
 put durable; so a kill at any moment leaves either no manifest or a complete model. (It
@@ -33,7 +44,13 @@ makes it report LeaseError; the import then checks its own tensors reached NVMe.
 NVMe tier the model lives in the CPU tier only and the report says durable=False.
 
 Skip: where the namespace's manifest lists the same files with the same sizes and CRC32C as
-the folder, and the namespace still holds every tensor it lists, nothing is written.
+the folder, and the namespace still holds every tensor it lists (quantized copies included),
+nothing is written, unless the import asks for a quantized form the namespace lacks: then only
+that form's copies are written, after them a new manifest that lists them (replacing the old one
+in one write: a kill leaves the old manifest, and copies it does not list), then the registry
+entry. Forms are added, never taken away by a skip; a changed model is imported anew with the
+forms asked for now. Adding needs a namespace the importer may write: not one sealed read-only
+(the default) while the daemon that sealed it runs (ReadOnlyNamespaceError says what to do).
 
 Read-only (the default): the namespace is created read-only before the first tensor and
 sealed after the manifest, so no client writes it again, the importer included, while the
@@ -62,11 +79,14 @@ import torch
 
 from infinity.client.client import Client
 from infinity.errors import (AlreadyExistsError, InfinityError, InvalidRequestError, LeaseError,
-                             ModelFormatError, ModelNotFoundError, ReadOnlyNamespaceError)
+                             ModelFormatError, ModelNotFoundError, QuantizedFormNotFoundError,
+                             ReadOnlyNamespaceError)
 from infinity.io import crc32c
 from infinity.torch.model_folder import (RESERVED_NAME, RESERVED_PREFIX, ModelFolder, SourceFile,
                                          SourceReader, TensorEntry, file_checksum,
                                          scan_model_folder)
+from infinity.torch.model_quantized import quantizable, quantized_weights, write_form
+from infinity.torch.quantize import FORMS, QuantizedWeight, check_form
 
 MANIFEST_NAME = RESERVED_NAME  # "__model__"
 FILES_PREFIX = RESERVED_PREFIX  # "__files__/"
@@ -92,6 +112,8 @@ class ImportReport:
     read_only: bool
     durable: bool  # on NVMe and in the store's index (False: the daemon has no NVMe tier)
     seconds: float
+    quantized: tuple[str, ...] = ()  # the quantized forms the namespace holds now
+    added: tuple[str, ...] = ()  # those of them this import wrote to an unchanged model
 
 
 @dataclass(frozen=True)
@@ -108,6 +130,7 @@ class ModelInfo:
     imported_at: float  # Unix time; 0 for one not complete
     read_only: bool
     durable: bool
+    quantized: tuple[str, ...] = ()  # its quantized forms ("int8", "int4")
 
     @property
     def complete(self) -> bool:
@@ -166,6 +189,29 @@ def require_model(client: Client, namespace: str) -> dict[str, Any]:
     return manifest
 
 
+def quantized_forms(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The quantized forms a model's manifest lists, in the order of `FORMS`."""
+    held = manifest.get("quantized") or {}
+    return tuple(form for form in FORMS if form in held)
+
+
+def require_quantized(client: Client, namespace: str, form: str) -> dict[str, QuantizedWeight]:
+    """The `form` copies of the model imported into `namespace`, by the name of the tensor
+    each copies; QuantizedFormNotFoundError, saying how to add them, where it has none
+    (ModelNotFoundError where the namespace holds no complete model)."""
+    check_form(form)
+    manifest = require_model(client, namespace)
+    if form not in quantized_forms(manifest):
+        held = ", ".join(quantized_forms(manifest)) or "none"
+        source = manifest.get("source") or "MODEL_FOLDER"
+        raise QuantizedFormNotFoundError(
+            f"namespace {namespace!r} holds no {form} copy of its model (quantized forms held: "
+            f"{held}); add one with `infinity import {source} --namespace {namespace} "
+            f"--quantize {form}` (an unchanged model gets only the copy added), or generate "
+            f"without quantization")
+    return quantized_weights(manifest, form)
+
+
 def model_files(client: Client, namespace: str) -> dict[str, bytes]:
     """The small files (config.json, tokenizer files, ...) of the model imported into
     `namespace`, by file name; ModelNotFoundError where it holds no complete model."""
@@ -200,7 +246,8 @@ def _model_info(namespace: str, raw: bytes) -> ModelInfo:
                          tuple(str(a) for a in entry.get("architectures") or ()),
                          int(entry.get("tensors", 0)), int(entry.get("tensor_bytes", 0)),
                          float(entry.get("imported_at", 0.0)), bool(entry.get("read_only")),
-                         bool(entry.get("durable")))
+                         bool(entry.get("durable")),
+                         tuple(str(f) for f in entry.get("quantized") or ()))
     except (UnicodeDecodeError, ValueError, TypeError):
         return ModelInfo(namespace, "unreadable", "", "", (), 0, 0, 0.0, False, False)
 
@@ -272,6 +319,9 @@ def _first_change(client: Client, namespace: str, folder: ModelFolder, manifest:
     held = {t.name for t in client.list(namespace=namespace)}
     wanted = set(manifest.get("tensors") or ()) | {
         FILES_PREFIX + source.name for source in folder.small_files}
+    for form in quantized_forms(manifest):
+        for weight in quantized_weights(manifest, form).values():
+            wanted.update(weight.names)
     missing = sorted(wanted - held)
     if missing:
         return f"the namespace lost {len(missing)} of its tensors (e.g. {missing[0]!r})"
@@ -323,16 +373,18 @@ class _Import:
     """One import's writes, remembered so that a failure can take them back."""
 
     def __init__(self, client: Client, namespace: str, folder: ModelFolder, *, read_only: bool,
-                 durable: bool, progress: _Progress) -> None:
+                 durable: bool, progress: _Progress, forms: tuple[str, ...] = ()) -> None:
         self.client = client
         self.namespace = namespace
         self.folder = folder
         self.read_only = read_only
         self.durable = durable
         self.progress = progress
+        self.forms = forms
         self.written: list[str] = []
         self.registered = False
         self.checksums: dict[str, int] = {}
+        self.quantized: dict[str, Any] = {}  # the manifest's record of each form written
 
     def _register(self, entry: dict[str, Any], *, durable: bool) -> None:
         self.registered = True
@@ -353,6 +405,7 @@ class _Import:
             by_file.setdefault(entry.file, []).append(entry)
         for source in folder.weights:
             self._import_weights(source, by_file.get(source.name, []), advance)
+        self._write_forms(self.forms)
         if folder.index is not None:
             self.checksums[folder.index.name] = file_checksum(folder.index, progress=advance)
         for source in folder.small_files:
@@ -380,6 +433,35 @@ class _Import:
                 self.client.write_pieces(entry.name, getattr(torch, entry.dtype), entry.shape,
                                          fill, namespace=self.namespace)
             self.checksums[source.name] = reader.finish()
+
+    def _write_forms(self, forms: tuple[str, ...]) -> None:
+        """The quantized copies of each form in `forms` (see `model_quantized`)."""
+        if not forms:
+            return
+        entries = quantizable(self.folder)
+        for form in forms:
+            advance = self.progress.task(f"quantizing to {form}",
+                                         sum(entry.nbytes for entry in entries))
+            self.quantized[form] = write_form(self.client, self.namespace, self.folder, entries,
+                                              form, written=self.written, progress=advance)
+
+    def add_forms(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Add the copies of `self.forms` to the unchanged model whose manifest is `manifest`
+        (see the module docstring's skip); returns the new manifest."""
+        self._write_forms(self.forms)
+        if self.durable:
+            self._flush()
+        manifest = {**manifest, "quantized": {**(manifest.get("quantized") or {}),
+                                              **self.quantized}}
+        # One write replaces the old manifest: a kill before it leaves the old one, whose
+        # model is complete without these copies.
+        _write_bytes(self.client, self.namespace, MANIFEST_NAME,
+                     json.dumps(manifest, indent=1).encode(), durable=self.durable)
+        self.written.clear()  # the copies are the model's now: a failure from here keeps them
+        _write_bytes(self.client, REGISTRY_NAMESPACE, self.namespace,
+                     json.dumps({**self._registry_entry(manifest), "state": COMPLETE}).encode(),
+                     durable=self.durable)
+        return manifest
 
     def _import_small_file(self, source: SourceFile, advance: Callable[[int], None] | None) -> None:
         with open(source.path, "rb") as f:
@@ -421,12 +503,14 @@ class _Import:
             "left_out": list(folder.left_out), "read_only": self.read_only,
             "durable": self.durable, "imported_at": time.time(),
             "import_seconds": round(time.monotonic() - started, 3),
+            "quantized": self.quantized,
         }
 
     def _registry_entry(self, manifest: dict[str, Any]) -> dict[str, Any]:
         keys = ("format_version", "namespace", "source", "model_type", "architectures",
                 "tensor_bytes", "read_only", "durable", "imported_at")
-        return {**{key: manifest[key] for key in keys}, "tensors": manifest["tensor_count"]}
+        return {**{key: manifest[key] for key in keys}, "tensors": manifest["tensor_count"],
+                "quantized": list(quantized_forms(manifest))}
 
     def undo(self) -> None:
         """Take back what was written (best effort: the daemon may be what failed)."""
@@ -445,16 +529,22 @@ class _Import:
 
 
 def import_model(client: Client, path: str | os.PathLike[str], *, namespace: str,
-                 read_only: bool = True, progress: bool = True) -> ImportReport:
+                 read_only: bool = True, progress: bool = True,
+                 quantize: Sequence[str] = ()) -> ImportReport:
     """Import the Hugging Face model folder `path` (config.json and safetensors weights,
     sharded or not) into `namespace`, tensor by tensor, with bounded memory; see the module
     docstring for the layout, the skip, read-only and what a failure leaves. progress: a bar
-    on the terminal. Raises ModelFormatError for a folder that cannot be imported (nothing is
-    written then), ReadOnlyNamespaceError for a changed model into a read-only namespace."""
+    on the terminal. quantize: the quantized forms to keep beside the weights ("int8", "int4";
+    none by default); an unchanged model imported before gets those it lacks added. Raises
+    ModelFormatError for a folder that cannot be imported (nothing is written then),
+    ReadOnlyNamespaceError for a changed model, or a form to add, into a read-only namespace."""
     started = time.monotonic()
     if namespace == REGISTRY_NAMESPACE:
         raise InvalidRequestError(f"namespace {REGISTRY_NAMESPACE!r} is the registry of imported "
                                   f"models; import into a namespace of the model's own")
+    if isinstance(quantize, str):
+        quantize = (quantize,)
+    forms = tuple(form for form in FORMS if form in {check_form(f) for f in quantize})
     folder = scan_model_folder(path)
     durable = _has_nvme_tier(client)
     with _Progress(progress) as bar:
@@ -463,18 +553,23 @@ def import_model(client: Client, path: str | os.PathLike[str], *, namespace: str
         if previous is not None:
             found = _first_change(client, namespace, folder, previous, bar)
             if found is None:
+                held = quantized_forms(previous)
+                missing = tuple(form for form in forms if form not in held)
+                if missing:
+                    return _add_forms(client, namespace, folder, previous, missing,
+                                      progress=bar, started=started)
                 info = client.namespace_info(namespace)
                 return ImportReport(
                     namespace, folder.path, True, "unchanged since its import",
                     len(folder.tensors), folder.tensor_bytes,
                     tuple(s.name for s in folder.small_files), folder.left_out,
                     info.mode == "read-only", bool(previous.get("durable")),
-                    time.monotonic() - started)
+                    time.monotonic() - started, held)
             change = found
         _clear_namespace(client, namespace, path=folder.path, read_only=read_only,
                          previous=previous, change=change)
         work = _Import(client, namespace, folder, read_only=read_only, durable=durable,
-                       progress=bar)
+                       progress=bar, forms=forms)
         try:
             work.run(started)
         except BaseException:
@@ -482,5 +577,32 @@ def import_model(client: Client, path: str | os.PathLike[str], *, namespace: str
             raise
     return ImportReport(namespace, folder.path, False, change, len(folder.tensors),
                         folder.tensor_bytes, tuple(s.name for s in folder.small_files),
-                        folder.left_out, read_only, durable, time.monotonic() - started)
+                        folder.left_out, read_only, durable, time.monotonic() - started, forms)
 
+
+def _add_forms(client: Client, namespace: str, folder: ModelFolder, manifest: dict[str, Any],
+               forms: tuple[str, ...], *, progress: _Progress, started: float) -> ImportReport:
+    """Write the quantized `forms` of the unchanged model of `namespace` that it lacks."""
+    info = client.namespace_info(namespace)
+    if info.mode == "read-only" and (info.sealed or info.owner_client != client.client_id):
+        why = "sealed" if info.sealed else "another client owns it"
+        raise ReadOnlyNamespaceError(
+            f"namespace {namespace!r} is read-only ({why}): it holds the model imported from "
+            f"{folder.path} without its {' and '.join(forms)} copies, and nothing can be added "
+            f"to it while this infinityd runs; import the model with --quantize "
+            f"{','.join(forms)} into another namespace (infinity import {folder.path} "
+            f"--namespace NEW_NAME --quantize {','.join(forms)}), or into a --writable one")
+    durable = bool(manifest.get("durable")) and _has_nvme_tier(client)
+    work = _Import(client, namespace, folder, read_only=info.mode == "read-only",
+                   durable=durable, progress=progress, forms=forms)
+    try:
+        manifest = work.add_forms(manifest)
+    except BaseException:
+        work.undo()
+        raise
+    return ImportReport(namespace, folder.path, False,
+                        f"unchanged since its import; added its {' and '.join(forms)} copies",
+                        len(folder.tensors), folder.tensor_bytes,
+                        tuple(s.name for s in folder.small_files), folder.left_out,
+                        info.mode == "read-only", durable, time.monotonic() - started,
+                        quantized_forms(manifest), forms)

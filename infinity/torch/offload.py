@@ -37,6 +37,14 @@ and the cache's CPU-tier leases go back at the end of backward (the step leases 
 exclusively). The module's buffers stay where the user put them. `copier=CpuCopier()` makes the
 CPU a device that copies, so this path runs on machines without a GPU.
 
+Quantized weights (inference only, `quantized=`, from an import's int8 or int4 copies: see
+`infinity.torch.quantize`): a unit leases a quantized parameter's codes and scales instead of
+its full-precision tensor (so the daemon's trace, its prefetch and the device cache see and move
+those fewer bytes), and its pre-hook dequantizes them on the compute device into a buffer of the
+compute dtype that the parameter points at while the unit computes; the post-hook gives the
+buffer back to the module tree's `DequantBuffers`, which hands it to the next weight of its
+shape. So what the process holds still grows with the largest unit, not with the model.
+
 The optimizer's step may still run in the daemon when the next forward starts
 (`infinity.torch.optim`): each parameter's `_Param.step` holds the step updating it, and a
 unit's acquire, the gradient hook and the reads below wait for it first (`settle_steps`); on a
@@ -50,7 +58,7 @@ import bisect
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -60,6 +68,7 @@ from infinity.errors import InvalidRequestError, LeaseError
 from infinity.io.native import native
 from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
 from infinity.torch.distributed import NodeRanks, node_ranks
+from infinity.torch.quantize import DequantBuffers, QuantizedWeight
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
@@ -123,9 +132,15 @@ class _Param:
     units: list["_Unit"] = field(default_factory=list)  # the modules that use it (tied: several)
     step: Any = None  # the optimizer step still updating it in the daemon (a PendingAdamStep)
     read_name: str = ""  # what the module computes with: `name`, or the optimizer's second copy
+    quantized: QuantizedWeight | None = None  # computes with this copy, dequantized, instead
 
     def __post_init__(self) -> None:
         self.read_name = self.read_name or self.name
+
+    @property
+    def lease_names(self) -> tuple[str, ...]:
+        """What a unit leases for it: its quantized copy's codes and scales, or `read_name`."""
+        return self.quantized.names if self.quantized is not None else (self.read_name,)
 
 
 class _SavedParam:
@@ -147,7 +162,8 @@ class _Unit:
         self.module = module
         self.name = name
         self.entries = entries
-        self.names = [entry.read_name for entry in entries]
+        self.names = [name for entry in entries for name in entry.lease_names]
+        self.buffers: list[torch.Tensor] = []  # its quantized parameters, dequantized
         # The module's own parameter slots as offload found them: a parameter replaced later
         # (module.weight = nn.Parameter(...)) would compute with values the store never saw.
         self.slots = [(slot, param) for slot, param in module._parameters.items()
@@ -166,14 +182,26 @@ class _Unit:
         else:
             lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
         self.lease = lease
-        for entry, view in zip(self.entries, lease.tensors):
+        views = iter(lease.tensors)
+        for entry in self.entries:
+            view = next(views)
+            if entry.quantized is not None:
+                view = self.state.dequantized.take(entry.quantized, view, next(views))
+                self.buffers.append(view)
             self.state._hold(entry, self, view)
+        if len(self.buffers) == len(self.entries):
+            # Every parameter computes from its buffer: the codes and scales can go back now,
+            # free to be evicted (`release` releases the lease again, which does nothing).
+            lease.release()
 
     def release(self) -> None:
         if self.lease is None:
             return
         for entry in self.entries:
             self.state._unhold(entry, self)
+        for buffer in self.buffers:
+            self.state.dequantized.give(buffer)
+        self.buffers.clear()
         lease, self.lease = self.lease, None
         self.in_backward = False
         lease.release()
@@ -207,6 +235,7 @@ class OffloadState:
         # Set by `offload` for a rank of a torch.distributed job (see `offload`'s process_group).
         self.ranks: NodeRanks | None = None
         self.batch_limit_bytes = 1  # the most bytes `offload` and `zero_grad` put in one batch
+        self.dequantized = DequantBuffers()  # for the parameters computing with quantized copies
 
     # --- presence -------------------------------------------------------------------------
 
@@ -451,7 +480,7 @@ class OffloadState:
         for entry in self.params:
             entry.read_name = names.get(entry.name, entry.read_name)
         for unit in self.units:
-            unit.names = [entry.read_name for entry in unit.entries]
+            unit.names = [name for entry in unit.entries for name in entry.lease_names]
 
     def _record_grad_stats(self, entry: _Param, grad: torch.Tensor) -> None:
         """Keep the statistics of the gradient the next step applies to `entry` (replacing
@@ -563,6 +592,41 @@ def _stored_dtypes(model: nn.Module, client: Any, config: OffloadConfig) -> dict
     return dtypes
 
 
+def _quantized_copies(model: nn.Module, client: Any, config: OffloadConfig,
+                      quantized: Mapping[str, QuantizedWeight], dtype_of: Any, *,
+                      from_store: bool) -> dict[int, QuantizedWeight]:
+    """The quantized copy each parameter computes with (by id), checked: only for a module
+    that infers from values in the store, each copy of the parameter's shape and stored dtype,
+    and its codes and scales in the namespace."""
+    if not quantized:
+        return {}
+    if not (from_store and config.inference):
+        raise InvalidRequestError(
+            "quantized copies are for inference from weights in the store: pass "
+            "from_store=True and inference=True with quantized=, or leave quantized out")
+    copies: dict[int, QuantizedWeight] = {}
+    for name, param in model.named_parameters():
+        copy = quantized.get(config.prefix + name)
+        if copy is None:
+            continue
+        if tuple(copy.shape) != tuple(param.shape) or copy.dtype != dtype_of(param):
+            raise InvalidRequestError(
+                f"the {copy.form} copy of {config.prefix + name} is of {copy.dtype} "
+                f"{list(copy.shape)}, but the parameter computes in {dtype_of(param)} "
+                f"{list(param.shape)}; import the model again")
+        copies[id(param)] = copy
+    wanted = {n for copy in copies.values() for n in copy.names}
+    held: set[str] = set()
+    for prefix in {n[:n.index("/") + 1] for n in wanted}:
+        held.update(info.name for info in client.list(namespace=config.namespace, prefix=prefix))
+    missing = sorted(wanted - held)
+    if missing:
+        raise InvalidRequestError(
+            f"namespace {config.namespace!r} does not hold {len(missing)} tensors of the "
+            f"quantized copies (e.g. {missing[0]!r}); import the model again with the form")
+    return copies
+
+
 def _give_values_to_meta_parameters(model: nn.Module, state: OffloadState) -> None:
     """Replace each parameter on the meta device by one over its placeholder, in every module
     slot that holds it (tied ones in each). torch cannot point a meta parameter at memory
@@ -606,7 +670,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             prefix: str = "", mark_steps: bool = True, device: torch.device | str | None = None,
             device_budget_bytes: int | None = None,
             copier: DeviceCopier | None = None, from_store: bool = False,
-            inference: bool = False, process_group: Any = None) -> nn.Module:
+            inference: bool = False, process_group: Any = None,
+            quantized: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """Move `model`'s parameters into the store under `namespace` and hook it (in place).
 
     Returns the same module. Parameters are stored as `param_dtype` (default: their own) and
@@ -637,6 +702,11 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     them (their model may be built with `empty_parameters()`). Gradients are summed in the
     node's shared memory, `zero_grad()` is a collective of the node's ranks, and the
     optimizer (`infinity.torch.AdamW`) sums them across nodes and steps each node's part.
+
+    `quantized` (with `from_store=True, inference=True`): stored name -> the quantized copy of
+    that parameter in the same namespace (`infinity.torch.model_store.require_quantized`); each
+    such parameter computes with its copy, dequantized before its unit's forward (see the
+    module's docstring), the others with their full-precision values.
     """
     config = OffloadConfig(namespace=namespace, param_dtype=param_dtype, grad_dtype=grad_dtype,
                            prefix=prefix, mark_steps=mark_steps, inference=inference)
@@ -665,7 +735,14 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     def dtype_of(param: nn.Parameter) -> torch.dtype:  # what it computes in, as entries below
         return stored_dtype.get(id(param)) or param_dtype or param.dtype
 
-    budget_bytes = (device_budget(model, dtype_of, computes_on, device_budget_bytes)
+    copies = _quantized_copies(model, client, config, quantized or {}, dtype_of,
+                               from_store=from_store)
+
+    def leased_bytes(param: nn.Parameter) -> int:  # what a unit leases for it
+        copy = copies.get(id(param))
+        return copy.nbytes if copy is not None else param.numel() * dtype_of(param).itemsize
+
+    budget_bytes = (device_budget(model, leased_bytes, computes_on, device_budget_bytes)
                     if copier is not None else 0)
     state = OffloadState(model, client, config)
     state.ranks = ranks
@@ -680,7 +757,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     for name, param in model.named_parameters():  # tied parameters come once, first name
         dtype = dtype_of(param)
         entry = _Param(param=param, name=prefix + name, grad_name=prefix + name + ".grad",
-                       placeholder=_placeholder(param.shape, dtype, computes_on))
+                       placeholder=_placeholder(param.shape, dtype, computes_on),
+                       quantized=copies.get(id(param)))
         state.params.append(entry)
         state._by_param[id(param)] = entry
         if not uploads:
@@ -705,7 +783,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     if copier is not None:
         state.device_params = DeviceParams(client, namespace=namespace, copier=copier,
                                            budget_bytes=budget_bytes,
-                                           names=[entry.name for entry in state.params])
+                                           names=[name for entry in state.params
+                                                  for name in entry.lease_names])
         state.device_type = computes_on.type
     if not uploads:
         _give_values_to_meta_parameters(model, state)

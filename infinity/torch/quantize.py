@@ -1,0 +1,297 @@
+"""Block-wise int8 and int4 copies of weights: their format, which weights get one, quantizing
+rows of a weight, and dequantizing a copy into a reused buffer of the compute dtype.
+
+The format (a contract: an import writes it, streamed generation reads it; `model_store` says
+where in a namespace the copies are stored). A weight of shape (..., n) is cut along its last
+dimension into blocks of `block` consecutive elements (the last block of a row is shorter where
+`block` does not divide n). Each block has one scale, its largest absolute value over QMAX
+(127 for int8, 7 for int4: symmetric, no zero point), stored in the weight's own dtype (bf16 for
+a bf16 model); its codes are round(x / scale) (half to even), clamped to [-QMAX, QMAX]:
+
+- scales: the weight's dtype, shape (..., ceil(n / block));
+- int8 codes: int8, shape (..., n);
+- int4 codes: uint8, shape (..., ceil(n / 2)), two codes a byte, each stored as code + 8 (a
+  nibble of 1 to 15): element 2j of a row in the low nibble of byte j, element 2j + 1 in the
+  high one; a row of odd length leaves its last high nibble 8 (code 0).
+
+A weight dequantizes to code * scale in its own dtype. Since a code is an integer of at most 7
+bits and a scale has its dtype's mantissa, that product is exact in float32 before its one
+rounding to the dtype, so every way of computing it gives the same bits as the reference (code *
+scale in float32, then rounded). The codes are computed against the scale as stored (rounded to
+the dtype), so that rounding adds no error of its own; a block whose scale underflows the dtype
+(float16, largest value under about 4e-6) dequantizes to zeros.
+
+Dequantizing on the CPU is the native kernel's (`infinity._native.dequantize`: one pass, AVX2 or
+AVX-512, streaming stores into a buffer of 1 MiB and more, rows split over the process's task
+pool), on a GPU torch's element-wise kernels. Measured on the 7 weights of one layer of
+tools/bench_infer.py's 1B Llama in bf16 (2 threads, best of 7, three runs on the 2-vCPU
+machine, lightly loaded): their matrix-vector products 7.0-8.4 ms; dequantizing int8 with torch
+9.4-15 ms, natively 6.2-10.5 ms; int4 with torch 28-42 ms (it unpacks through a scratch buffer,
+several passes), natively 11-12 ms. Scales in the compute dtype keep torch's path to as few
+passes as it takes: with float32 scales, its multiply into a bf16 buffer goes through a float32
+temporary (several times slower again). Either way a dequantized weight is written and read
+again, so a CPU computing from quantized copies spends about twice the time on each linear
+layer that it spends on one in memory; what it saves is bytes to move.
+
+Block sizes: 128 for int8 (scales cost 1/64 of the codes' bytes in bf16), 64 for int4, whose
+grid of 15 steps makes an outlier cost a block more, so smaller blocks pay for their scales
+(1/16 of the codes' bytes). Both are recorded per form in the model's manifest.
+
+Which weights (`linear_weight_names`): the weights of the model's linear layers (`nn.Linear`,
+and transformers' `Conv1D` of GPT-2, whose weight is (in, out): its blocks run along its output
+dimension, which the format allows as well), found by building the model from its config on the
+meta device. Left in full precision, and read so by streamed generation:
+
+- the output projection (`get_output_embeddings()`, lm_head): its error goes straight into the
+  logits, where it changes greedy tokens most, and it is one matrix (about 6% of a 1B Llama);
+- the input embeddings: a lookup reads a few rows per token, but dequantizing before the
+  module's forward would expand the whole table every token, costing more than the bytes saved
+  (and tied to the output projection, they are it);
+- norms, biases and every 1-D tensor: a fraction of a percent of the bytes, and a norm's weight
+  scales every activation.
+
+`DequantBuffers` holds the buffers that copies are dequantized into, on the device the codes
+are on: one taken per weight while its module computes, given back after it and reused by the
+next weight of the same shape and dtype, so a process holds at most the buffers of the modules
+present at once, plus one idle buffer per shape it has seen, never the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.nn import functional
+
+from infinity.errors import InvalidRequestError
+from infinity.io.native import native
+
+__all__ = ["BLOCK_SIZES", "FORMS", "DequantBuffers", "QuantizedWeight", "dequantize",
+           "linear_weight_names", "quantize", "round_trip"]
+
+FORMS = ("int8", "int4")
+BLOCK_SIZES = {"int8": 128, "int4": 64}
+QMAX = {"int8": 127, "int4": 7}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of weights that can be quantized
+# Where a namespace stores a form's copies (see `model_store`): its codes, then its scales.
+CODES_PREFIX = {"int8": "__int8__/", "int4": "__int4__/"}
+SCALES_PREFIX = {"int8": "__int8_scales__/", "int4": "__int4_scales__/"}
+RESERVED_PREFIXES = tuple(CODES_PREFIX.values()) + tuple(SCALES_PREFIX.values())
+
+
+def check_form(form: str) -> str:
+    """`form` if it is one of FORMS; InvalidRequestError, saying which are, if not."""
+    if form not in FORMS:
+        raise InvalidRequestError(f"quantized form {form!r} is not one Infinity makes; use "
+                                  f"{' or '.join(FORMS)}")
+    return form
+
+
+def codes_shape(form: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    n = shape[-1]
+    return (*shape[:-1], n if form == "int8" else (n + 1) // 2)
+
+
+def scales_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+    return (*shape[:-1], math.ceil(shape[-1] / block))
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """The quantized copy of one weight: where it is stored and how it is laid out."""
+
+    name: str                 # the full-precision tensor's stored name
+    form: str                 # "int8" | "int4"
+    block: int
+    shape: tuple[int, ...]    # the weight's
+    dtype: torch.dtype        # the weight's and its scales': what it dequantizes to
+
+    @property
+    def codes_name(self) -> str:
+        return CODES_PREFIX[self.form] + self.name
+
+    @property
+    def scales_name(self) -> str:
+        return SCALES_PREFIX[self.form] + self.name
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The stored tensors, in the order a lease of the copy takes them."""
+        return self.codes_name, self.scales_name
+
+    @property
+    def codes_shape(self) -> tuple[int, ...]:
+        return codes_shape(self.form, self.shape)
+
+    @property
+    def scales_shape(self) -> tuple[int, ...]:
+        return scales_shape(self.shape, self.block)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: codes and scales."""
+        return math.prod(self.codes_shape) + math.prod(self.scales_shape) * self.dtype.itemsize
+
+
+def quantize(values: torch.Tensor, form: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of `values` (a floating tensor of at least one dimension, blocked
+    along its last), in the module docstring's format; scales in `values`' dtype."""
+    check_form(form)
+    if values.dtype not in DTYPES or values.dim() == 0:
+        raise InvalidRequestError(f"only float32, bfloat16 and float16 tensors of at least one "
+                                  f"dimension are quantized, not {values.dtype} of shape "
+                                  f"{list(values.shape)}")
+    if block <= 0 or (form == "int4" and block % 2):
+        raise InvalidRequestError(f"block {block} is not a positive (for int4: even) number of "
+                                  f"elements")
+    shape, n = tuple(values.shape), values.shape[-1]
+    qmax = QMAX[form]
+    rows = math.prod(shape[:-1])
+    blocks_per_row = math.ceil(n / block)
+    # Zeros past the row's end change no block's largest value.
+    padded = functional.pad(values.reshape(rows, n).float(), (0, blocks_per_row * block - n))
+    blocks = padded.view(rows, blocks_per_row, block)
+    scales = (blocks.abs().amax(dim=-1) / qmax).to(values.dtype)
+    stored = scales.float()
+    divisors = torch.where(stored > 0, stored, torch.ones_like(stored)).unsqueeze(-1)
+    codes = blocks.div(divisors).round_().clamp_(-qmax, qmax).view(rows, blocks_per_row * block)
+    if form == "int8":
+        packed = codes[:, :n].to(torch.int8)
+    else:
+        nibbles = codes[:, :2 * ((n + 1) // 2)].add_(8).to(torch.uint8)  # block is even
+        packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return (packed.reshape(codes_shape(form, shape)).contiguous(),
+            scales.reshape(scales_shape(shape, block)))
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: str, block: int, *,
+               out: torch.Tensor, scratch: torch.Tensor | None = None,
+               implementation: str = "auto") -> torch.Tensor:
+    """Write code * scale into `out` (the weight's shape and dtype, contiguous, on the codes'
+    device); returns `out`. implementation: "native" (CPU tensors only), "torch", or "auto" (the
+    native kernel on the CPU, torch elsewhere). torch's int4 unpacks its codes into `scratch`
+    (uint8, at least 2 * ceil(n / 2) bytes a row; allocated if not given)."""
+    n = out.shape[-1]
+    rows = out.numel() // n if n else 0
+    if rows == 0 or n == 0:
+        return out
+    on_cpu = all(t.device.type == "cpu" and t.is_contiguous() for t in (codes, scales, out))
+    if implementation == "native" or (implementation == "auto" and on_cpu):
+        if not on_cpu:
+            raise InvalidRequestError("the native dequantization takes contiguous CPU tensors")
+        native().dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), form,
+                            str(out.dtype).removeprefix("torch."), rows, n, block,
+                            torch.get_num_threads())
+        return out
+    full_blocks = n // block
+    flat = out.view(rows, n)
+    per_row = scales.reshape(rows, -1)
+    if form == "int8":
+        signed = codes.view(rows, n)
+    else:
+        half = (n + 1) // 2
+        if scratch is None:
+            scratch = torch.empty(rows * half * 2, dtype=torch.uint8, device=codes.device)
+        pairs = scratch[:rows * half * 2].view(rows, half, 2)
+        packed = codes.view(rows, half)
+        torch.bitwise_and(packed, 15, out=pairs[..., 0])
+        torch.bitwise_right_shift(packed, 4, out=pairs[..., 1])
+        signed = pairs.view(torch.int8).view(rows, 2 * half)
+        signed.sub_(8)
+    # int8 codes times scales of the dtype multiply in the dtype (exact, then one rounding).
+    if full_blocks:
+        width = full_blocks * block
+        torch.mul(signed[:, :width].view(rows, full_blocks, block),
+                  per_row[:, :full_blocks].unsqueeze(-1),
+                  out=flat[:, :width].view(rows, full_blocks, block))
+    if full_blocks * block < n:  # the last block of each row, shorter
+        torch.mul(signed[:, full_blocks * block:n], per_row[:, full_blocks:full_blocks + 1],
+                  out=flat[:, full_blocks * block:])
+    return out
+
+
+def round_trip(values: torch.Tensor, form: str, block: int | None = None) -> torch.Tensor:
+    """What the quantized copy of `values` dequantizes to (block: the form's default), as a
+    new tensor: for measuring a form's error, and for a model in memory that computes as a
+    streamed quantized one does."""
+    codes, scales = quantize(values, form, BLOCK_SIZES[form] if block is None else block)
+    out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
+    return dequantize(codes, scales, form, BLOCK_SIZES[form] if block is None else block, out=out)
+
+
+class DequantBuffers:
+    """Buffers that quantized weights are dequantized into (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        idle = self._idle.get((shape, dtype, device))
+        if idle:
+            return idle.pop()
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def take(self, weight: QuantizedWeight, codes: torch.Tensor,
+             scales: torch.Tensor) -> torch.Tensor:
+        """`weight` dequantized from its stored `codes` and `scales` (on one device) into a
+        buffer of its dtype there, held until `give`."""
+        if (tuple(codes.shape) != weight.codes_shape or tuple(scales.shape) != weight.scales_shape
+                or scales.dtype != weight.dtype):
+            raise InvalidRequestError(
+                f"the stored {weight.form} copy of {weight.name!r} is not laid out as the "
+                f"model's manifest says (codes {list(codes.shape)}, scales {list(scales.shape)} "
+                f"{scales.dtype}); import the model again")
+        out = self._buffer(weight.shape, weight.dtype, codes.device)
+        scratch = None
+        if weight.form == "int4" and codes.device.type != "cpu":  # torch's unpacking
+            scratch = self._buffer((2 * math.prod(weight.codes_shape),), torch.uint8,
+                                   codes.device)
+        try:
+            return dequantize(codes, scales, weight.form, weight.block, out=out, scratch=scratch)
+        finally:
+            if scratch is not None:
+                self.give(scratch)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """A buffer `take` handed out, no longer used: the next weight of its shape reuses it."""
+        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        self._idle.setdefault(key, []).append(tensor)
+
+    def idle_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._idle.values() for t in ts)
+
+
+def linear_weight_names(folder: str, stored: Iterable[str]) -> set[str]:
+    """The names among `stored` of the weights of the linear layers of the causal LM whose
+    config.json is in `folder`, its output projection left out (see the module docstring).
+    InvalidRequestError where transformers cannot build the model as a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"transformers cannot build the model of {folder} as a causal LM ({exc}), so its "
+            f"linear layers are not known; import it without quantized copies") from None
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    head = model.get_output_embeddings()
+    embeddings = model.get_input_embeddings()
+    left_out = {id(module.weight) for module in (head, embeddings)
+                if module is not None and isinstance(getattr(module, "weight", None),
+                                                     torch.Tensor)}
+    stored = set(stored)
+    found: set[str] = set()
+    for module in model.modules():
+        linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+        weight = getattr(module, "weight", None)
+        if not linear or not isinstance(weight, torch.Tensor) or id(weight) in left_out:
+            continue
+        found.update(name for name in names.get(id(weight), ()) if name in stored)
+    return found
