@@ -206,6 +206,14 @@ class DaemonConfig:
     # Requests of one client whose replies wait for work off the loop (a get waiting for its
     # load, a stream chunk, a wait for steps): past it, the next request is refused at once.
     max_pending_requests_per_client: int = 4096
+    # What holds the daemon's memory without holding tier bytes (so no budget or quota bounds
+    # it: a tensor of zero elements costs about 1 KiB of catalog): tensors and reservations,
+    # namespace records, the namespaces one client touches (each may give it a scheduler
+    # stream), and the tensors one client holds under leases.
+    max_tensors: int = 1 << 20
+    max_namespaces: int = 65536
+    max_namespaces_per_client: int = 4096
+    max_leased_per_client: int = 1 << 20
 
     def validate(self) -> None:
         _require(bool(self.runtime_dir), "daemon.runtime_dir must not be empty")
@@ -224,6 +232,9 @@ class DaemonConfig:
                  "daemon.max_streams_per_client must be at least 1")
         _require(self.max_pending_requests_per_client >= 1,
                  "daemon.max_pending_requests_per_client must be at least 1")
+        for name in ("max_tensors", "max_namespaces", "max_namespaces_per_client",
+                     "max_leased_per_client"):
+            _require(getattr(self, name) >= 1, f"daemon.{name} must be at least 1")
 
 
 @dataclass(frozen=True)

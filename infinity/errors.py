@@ -127,8 +127,11 @@ class QuotaExceededError(StoreError):
 class LimitExceededError(StoreError):
     """A client asked for more than the daemon gives anyone: more sessions than
     `daemon.max_clients`, more open streams than `daemon.max_streams_per_client`, more requests
-    waiting for their replies than `daemon.max_pending_requests_per_client`. Bounds that
-    keep one client from growing the daemon's memory or open files without limit."""
+    waiting for their replies than `daemon.max_pending_requests_per_client`, more tensors than
+    `daemon.max_tensors`, more namespace records than `daemon.max_namespaces`, more namespaces
+    in one session than `daemon.max_namespaces_per_client`, more tensors held under its leases
+    than `daemon.max_leased_per_client`. Bounds that keep one client from growing the daemon's
+    memory or open files without limit."""
 
     code = "limit_exceeded"
 

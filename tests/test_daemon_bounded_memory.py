@@ -1,6 +1,6 @@
 """What clients send cannot make the daemon's memory or open files grow without bound: failed
-items leave nothing behind, client-chosen strings are shortened in its log, and sessions and
-streams have limits."""
+items leave nothing behind, client-chosen strings are shortened in its log, and sessions,
+streams, pending requests, tensors, namespaces and leases have limits."""
 
 from __future__ import annotations
 
@@ -126,3 +126,89 @@ def test_a_request_past_daemon_max_pending_requests_per_client_is_refused_at_onc
     for name, state in states.items():  # p3's step was refused whole: p3 is as it was
         assert torch.equal(read(client, name), state["param"]), name
     client.close()
+
+
+# --- what costs the daemon memory but no tier bytes -----------------------------------------
+
+def test_a_new_tensor_past_daemon_max_tensors_is_refused_while_rewrites_go_on(
+        daemon_factory: Any) -> None:
+    """Tensors of no elements take no tier bytes, so no budget or quota bounded them: about
+    1 KiB of catalog each, without end. Past the limit a new name is refused; the store can
+    still rewrite what it holds, and a delete makes room."""
+    daemon = daemon_factory(**{"daemon.max_tensors": 5})
+    client = daemon.connect("many-empty-tensors")
+    try:
+        client.put_many({f"e{i}": torch.empty(0, 3) for i in range(4)}, namespace="ns")
+        client.put("full", torch.arange(7.0), namespace="other")
+        with pytest.raises(LimitExceededError, match="daemon.max_tensors"):
+            client.put("one-too-many", torch.empty(0), namespace="ns")
+        client.put("full", torch.arange(9.0), namespace="other")  # a rewrite
+        with client.get("full", namespace="other") as view:
+            assert torch.equal(view, torch.arange(9.0))
+        client.delete("e0", namespace="ns")
+        client.put("after-a-delete", torch.empty(0), namespace="ns")
+        assert client.exists("after-a-delete", namespace="ns")
+    finally:
+        client.close()
+
+
+def test_a_namespace_record_past_daemon_max_namespaces_is_refused(daemon_factory: Any) -> None:
+    daemon = daemon_factory(**{"daemon.max_namespaces": 3})
+    client = daemon.connect("namespace-maker")
+    try:
+        for i in range(3):
+            client.create_namespace(f"job-{i}", quota_bytes=1 << 20)
+        with pytest.raises(LimitExceededError, match="daemon.max_namespaces"):
+            client.create_namespace("job-3")
+        client.put("t", torch.arange(5.0), namespace="job-1")  # the records made still serve
+        assert client.namespace_info("job-2").quota_bytes == 1 << 20
+    finally:
+        client.close()
+
+
+def test_a_client_past_daemon_max_namespaces_per_client_is_refused_and_others_are_not(
+        daemon_factory: Any) -> None:
+    """Each namespace a session gets, puts or steps in is noted for the monitor and may give
+    it a scheduler stream: a client cycling through namespaces grew both without end."""
+    daemon = daemon_factory(**{"daemon.max_namespaces_per_client": 3})
+    client = daemon.connect("wanderer")
+    try:
+        client.put("a", torch.arange(3.0), namespace="n0")
+        client.put_many({"a": torch.arange(3.0)}, namespace="n1")
+        with pytest.raises(NotFoundError):
+            client.get("missing", namespace="n2")  # a failed get touches its namespace too
+        client.put("b", torch.arange(5.0), namespace="n0")  # one it touched already
+        with pytest.raises(LimitExceededError, match="daemon.max_namespaces_per_client"):
+            client.put("a", torch.arange(3.0), namespace="n3")
+        with pytest.raises(LimitExceededError, match="daemon.max_namespaces_per_client"):
+            client.get("a", namespace="n3")
+        other = daemon.connect("newcomer")  # per client: another one may use it
+        other.put("a", torch.arange(3.0), namespace="n3")
+        other.close()
+        assert not client.exists("a", namespace="n4")  # exists is a lookup, not a touch
+    finally:
+        client.close()
+
+
+def test_leases_past_daemon_max_leased_per_client_are_refused_until_released(
+        daemon_factory: Any) -> None:
+    """Every get holds its tensors until the client releases them: a client that never
+    releases grew the catalog's leases without end."""
+    daemon = daemon_factory(**{"daemon.max_leased_per_client": 5})
+    client = daemon.connect("hoarder")
+    try:
+        client.put_many({f"t{i}": torch.full((3,), float(i)) for i in range(4)}, namespace="ns")
+        first = client.get_many(["t0", "t1", "t2"], namespace="ns")
+        second = client.get("t3", namespace="ns")
+        with pytest.raises(LimitExceededError, match="daemon.max_leased_per_client"):
+            client.get_many(["t0", "t1"], namespace="ns")
+        other = daemon.connect("other")  # per client
+        with other.get_many(["t0", "t1", "t2", "t3"], namespace="ns") as views:
+            assert [float(v[0]) for v in views] == [0.0, 1.0, 2.0, 3.0]
+        other.close()
+        first.release()
+        with client.get_many(["t0", "t1"], namespace="ns") as views:
+            assert float(views[1][0]) == 1.0
+        second.release()
+    finally:
+        client.close()

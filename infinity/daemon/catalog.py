@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from infinity.daemon.arena import CpuSlice
 from infinity.daemon.diskcopy import DiskCopy
-from infinity.errors import InfinityError, InvalidRequestError, LeaseError, NotFoundError
+from infinity.errors import (InfinityError, InvalidRequestError, LeaseError, LimitExceededError,
+                             NotFoundError)
 from infinity.protocol import dtypes
 from infinity.protocol.wire import MAX_NAME_CHARS, MAX_NAMESPACE_CHARS, Placement, pack_result
 
@@ -177,6 +178,7 @@ class _Holdings:
     leases: dict[int, Lease] = field(default_factory=dict)
     reservations: dict[Key, Reservation] = field(default_factory=dict)
     held_bytes: int = 0  # of the versions its leases hold (one held twice counts twice)
+    num_held: int = 0  # versions its leases hold (one held twice counts twice)
     reserved_bytes: int = 0  # of its reservations (spares included)
 
 
@@ -196,10 +198,16 @@ class Catalog:
 
     def __init__(self, storage: Storage, *, clock: Iterator[int] | None = None,
                  spare_budget_bytes: int = 0,
-                 segment_class_of: Callable[[str], str | None] = lambda namespace: None) -> None:
+                 segment_class_of: Callable[[str], str | None] = lambda namespace: None,
+                 max_tensors: int = 1 << 20, max_leased_per_client: int = 1 << 20) -> None:
         """`clock`: the stamp counter shared with the tiers (`version_clock()`).
         `segment_class_of`: the class of the segments a namespace's slices come from (the
-        arena's `class_for`)."""
+        arena's `class_for`). `max_tensors` (`daemon.max_tensors`) bounds the tensors and
+        reservations, `max_leased_per_client` (`daemon.max_leased_per_client`) the versions
+        one client's leases hold: what a budget or quota does not bound (a tensor of no
+        elements takes no tier bytes, and a lease none of its own)."""
+        self.max_tensors = max_tensors
+        self.max_leased_per_client = max_leased_per_client
         self._space = storage
         self.spare_budget_bytes = spare_budget_bytes
         self.segment_class_of = segment_class_of
@@ -307,8 +315,17 @@ class Catalog:
         item could be leased."""
         holdings = self.holder_of(client)
         if lease_id in holdings.leases:
-            error = LeaseError(f"lease {lease_id} is still held: a get's request id names its "
-                               f"lease, so request ids must not be reused")
+            error: InfinityError = LeaseError(
+                f"lease {lease_id} is still held: a get's request id names its lease, so "
+                f"request ids must not be reused")
+            return None, [error] * len(items)
+        # The daemon's own leases (a negative id) are bounded by its work, not by this.
+        if client > 0 and holdings.num_held + len(items) > self.max_leased_per_client:
+            error = LimitExceededError(
+                f"this client holds {holdings.num_held} tensors under leases and asked for "
+                f"{len(items)} more, past daemon.max_leased_per_client "
+                f"({self.max_leased_per_client}); release what it is done with (drop the "
+                f"tensors a get returned) first")
             return None, [error] * len(items)
         lease: Lease | None = None
         results: list[Version | InfinityError] = []
@@ -355,6 +372,7 @@ class Catalog:
         if lease is not None:
             holdings.leases[lease_id] = lease
             holdings.held_bytes += held
+            holdings.num_held += len(lease.holds)
             self.num_leases += 1
             self.num_held += len(lease.holds)
         return lease, results
@@ -366,6 +384,7 @@ class Catalog:
             raise LeaseError(f"lease {lease_id} is not held by this client (released twice?)")
         self.num_leases -= 1
         self.num_held -= len(lease.holds)
+        holdings.num_held -= len(lease.holds)  # type: ignore[union-attr]
         for version, exclusive in lease.holds:
             holdings.held_bytes -= version.nbytes  # type: ignore[union-attr]
             self._unhold(version, exclusive)
@@ -400,6 +419,7 @@ class Catalog:
             if held is version:
                 del lease.holds[i]
                 self.num_held -= 1
+                holdings.num_held -= 1  # type: ignore[union-attr]
                 holdings.held_bytes -= version.nbytes  # type: ignore[union-attr]
                 if not lease.holds:
                     del holdings.leases[lease_id]  # type: ignore[union-attr]
@@ -427,6 +447,7 @@ class Catalog:
             raise LeaseError(
                 f"this client already holds a reservation for {name!r} in namespace "
                 f"{namespace!r}; commit or abort it first")
+        self.check_room_for(key)
         cpu = self._space.allocate(nbytes, what=f"tensor {name!r}",
                                    segment_class=self.segment_class_of(namespace)) if nbytes else None
         reservation = Reservation(next(self._ids), client, key, dtype, shape, nbytes, cpu)
@@ -435,6 +456,22 @@ class Catalog:
         self.num_reservations += 1
         self.reserved_bytes += nbytes
         return reservation
+
+    def check_room_for(self, key: Key) -> None:
+        """Refuse a new tensor (a name with no current version) past `max_tensors` tensors and
+        reservations together, and any reservation past `max_tensors` reservations: so a
+        store at the limit still rewrites what it holds, and tensors stay below twice the
+        limit even when a reserved name is deleted before its commit. Spare reservations
+        (`renew`) do not count: they are never of zero bytes, so the spare budget bounds them."""
+        entries = self._namespaces.get(key[0])
+        new = entries is None or key[1] not in entries
+        reservations = self.num_reservations - self.num_spares
+        if (reservations >= self.max_tensors
+                or (new and self.num_tensors + reservations >= self.max_tensors)):
+            raise LimitExceededError(
+                f"the store holds {self.num_tensors} tensors and {reservations} "
+                f"reservations, its limit (daemon.max_tensors = {self.max_tensors}); delete "
+                f"tensors it no longer needs, or raise the limit")
 
     def renew(self, client: int, version: Version) -> Reservation | None:
         """A spare reservation of `version`'s name, dtype and shape for the client's next put of

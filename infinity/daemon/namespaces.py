@@ -55,7 +55,7 @@ from infinity.daemon import namespace_file
 from infinity.daemon.arena import CpuArena
 from infinity.daemon.catalog import NamespaceCounters, Version
 from infinity.daemon.sessions import Session, shortened
-from infinity.errors import (AlreadyExistsError, InvalidRequestError, NamespaceAccessError,
+from infinity.errors import (AlreadyExistsError, LimitExceededError, InvalidRequestError, NamespaceAccessError,
                              QuotaExceededError, ReadOnlyNamespaceError)
 from infinity.protocol import dtypes
 from infinity.protocol.wire import NamespaceInfo, NamespaceOp, ReserveItem, StreamOpen
@@ -109,9 +109,14 @@ class Namespaces:
     def __init__(self, usage: NamespaceUsage, arena: CpuArena, *,
                  session_alive: Callable[[int], bool], records_path: str | None = None,
                  run_in_worker: Callable[[Callable[[], None], Callable[[Future[None]], None]],
-                                         None] | None = None) -> None:
+                                         None] | None = None,
+                 max_records: int = 65536, max_per_client: int = 4096) -> None:
         """`records_path` (with an NVMe tier): where the private records are kept across
-        restarts (`namespace_file`), written through `run_in_worker`."""
+        restarts (`namespace_file`), written through `run_in_worker`. `max_records`
+        (`daemon.max_namespaces`) bounds the records, `max_per_client`
+        (`daemon.max_namespaces_per_client`) the namespaces one session touches."""
+        self.max_records = max_records
+        self.max_per_client = max_per_client
         self._usage = usage
         self._arena = arena
         self._session_alive = session_alive
@@ -146,6 +151,10 @@ class Namespaces:
         if mode not in (READ_WRITE, READ_ONLY):
             raise InvalidRequestError(f"a namespace is 'read-write' or 'read-only', not "
                                       f"{mode[:80]!r}")
+        if len(self._records) >= self.max_records:
+            raise LimitExceededError(
+                f"the daemon holds {len(self._records)} namespace records, its limit "
+                f"(daemon.max_namespaces); use a namespace that exists, or raise the limit")
         record = NamespaceRecord(namespace, mode, session.id, session.name, session.pid,
                                  quota_bytes, token_digest=_digest(token) if token else b"",
                                  owner_uid=-1 if session.peer_uid is None else session.peer_uid)
@@ -268,6 +277,21 @@ class Namespaces:
     def hidden_from(self, session: Session) -> set[str]:
         """The private namespaces `session` was not granted: what its stats leave out."""
         return {name for name in self._private if name not in session.granted}
+
+    def admit(self, session: Session, namespaces: Iterable[str]) -> None:
+        """Note the namespaces a get, reserve, stream or step of `session` touches (the monitor
+        lists them, and each may give the session a scheduler stream), refusing the request
+        with LimitExceededError if they would take it past `max_per_client` of them."""
+        touched = session.namespaces
+        new = [name for name in namespaces if name not in touched]
+        if not new:
+            return
+        if len(touched) + len(set(new)) > self.max_per_client:
+            raise LimitExceededError(
+                f"this client has touched {len(touched)} namespaces, and this request names "
+                f"{len(set(new))} more, past daemon.max_namespaces_per_client "
+                f"({self.max_per_client}); use fewer namespaces, or connect again")
+        touched.update(new)
 
     # --- checks, one call at the top of each write handler's loop ------------------------
 

@@ -73,7 +73,9 @@ class Daemon:
                                  scheduler=self.scheduler)
         self.catalog = Catalog(self.tiers, clock=clock,
                                spare_budget_bytes=config.cpu.spare_budget_bytes,
-                               segment_class_of=self.arena.class_for)
+                               segment_class_of=self.arena.class_for,
+                               max_tensors=config.daemon.max_tensors,
+                               max_leased_per_client=config.daemon.max_leased_per_client)
         restored = restore_catalog(self.catalog, self.tiers.durability)
         if self.tiers.durable:
             log.info("NVMe tier: %d flushed tensor(s) restored from the index", restored)
@@ -86,13 +88,15 @@ class Daemon:
         self.namespaces = Namespaces(self.catalog, self.arena,
                                      session_alive=self.sessions.by_id.__contains__,
                                      records_path=namespace_file.records_path(config.nvme.dirs),
-                                     run_in_worker=self.loop.run_in_worker)
+                                     run_in_worker=self.loop.run_in_worker,
+                                     max_records=config.daemon.max_namespaces,
+                                     max_per_client=config.daemon.max_namespaces_per_client)
         self.traces = TraceKeeper(self.scheduler, self.tiers)
         self.traces.restore()
         self.planner = PrefetchPlanner(config.scheduler, self.loop, self.scheduler, self.catalog,
                                        self.tiers, self.arena)
         self.steps = StepService(config.scheduler, self.scheduler, self.traces, self.planner,
-                                 tensors=self.residency.tensors)
+                                 tensors=self.residency.tensors, namespaces=self.namespaces)
         self.data = DataService(self.catalog, self.tiers, self.scheduler, self.steps,
                                 self.planner, self.counters, self.namespaces)
         self.streams = StreamTable(config.nvme, self.catalog, self.tiers,

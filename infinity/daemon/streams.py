@@ -154,6 +154,7 @@ class StreamTable:
     def _open_write(self, client: int, stream_id: int, key: Key, dtype: str,
                     shape: tuple[int, ...]) -> Stream:
         nbytes = dtypes.tensor_nbytes(dtype, shape)
+        self.catalog.check_room_for(key)  # a direct one's reservation checks again
         stream = Stream(stream_id, client, "write", key, dtype, shape, nbytes)
         if self.tiers.nvme is None or nbytes <= self.chunk_bytes:
             stream.direct = True  # the slices are the reservation, filled by _fill_slots

@@ -112,8 +112,8 @@ class DataService:
         now is leased; an item on NVMe alone is answered nil, neither loaded nor waited for
         (the client would block on a load the scheduler did not plan)."""
         self.namespaces.require_exclusive_gets(session, message.items)  # an exclusive get writes
-        if message.items:  # (decoded items are plain tuples: namespace first)
-            session.namespaces.add(message.items[0][0])
+        # (decoded items are plain tuples: namespace first)
+        self.namespaces.admit(session, {item[0] for item in message.items})
         _, outcomes = self.catalog.acquire(session.id, request_id, message.items)
         results: list[Any] = []
         nbytes = 0
@@ -213,8 +213,7 @@ class DataService:
 
     def reserve(self, session: Session, request_id: int, message: wire.Reserve
                 ) -> list[Any] | Deferred:
-        if message.items:
-            session.namespaces.add(message.items[0].namespace)
+        self.namespaces.admit(session, {item.namespace for item in message.items})
         return self._continue_reserve(_ParkedReserve(session, message.items, []))
 
     def _continue_reserve(self, request: _ParkedReserve) -> list[Any] | Deferred:

@@ -19,6 +19,7 @@ from typing import Any
 
 from infinity.config import SchedulerConfig
 from infinity.daemon.catalog import Version
+from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.scheduler import Scheduler, StreamKey
 from infinity.daemon.scheduler.view import TensorResidency
 from infinity.daemon.services.base import Routes
@@ -32,8 +33,10 @@ class StepService:
     """The `step` and `upcoming` requests, and each session's scheduler streams."""
 
     def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None, traces: TraceKeeper,
-                 planner: PrefetchPlanner, *, tensors: TensorResidency) -> None:
+                 planner: PrefetchPlanner, *, tensors: TensorResidency,
+                 namespaces: Namespaces) -> None:
         self.config = config
+        self.namespaces = namespaces  # a step's namespace is one its session touches
         self.scheduler = scheduler
         self.tensors = tensors  # the residency the scheduler asks: a write makes a tensor resident
         self.traces = traces
@@ -95,6 +98,7 @@ class StepService:
         return [upcoming]
 
     def step(self, session: Session, request_id: int, message: wire.Step) -> list[Any]:
+        self.namespaces.admit(session, (message.namespace,))  # it may give the session a stream
         if message.phase == "begin":
             session.counters.steps += 1
         scheduler = self.scheduler

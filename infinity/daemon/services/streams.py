@@ -36,6 +36,7 @@ class StreamService:
 
     def open(self, session: Session, request_id: int, message: wire.StreamOpen) -> Deferred:
         self.namespaces.require_stream(session, message)  # a write stream writes
+        self.namespaces.admit(session, (message.namespace,))
         self.counters.deferred_replies += 1
         deferred = Deferred([None])
         session.counters.streams += 1
