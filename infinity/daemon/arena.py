@@ -305,19 +305,20 @@ class CpuArena:
             if extent is not None:
                 self.used_bytes += extent.length_bytes
                 return CpuSlice(segment.id, extent.offset_bytes, extent.length_bytes)
-        shortage = SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
-        if self.growing:
-            raise shortage
+        # The tier may grow (or is growing): the caller waits for it. (The exception is made in
+        # the raise, never kept in a local: this frame, in its traceback, would hold it, a
+        # reference cycle per shortage that only the daemon's rare full collections free.)
         need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
-        if self._room_bytes() >= need:
-            raise shortage
         # Empty standard segments that cannot serve this allocation give their budget back:
         # any of them for a dedicated segment, those of other classes for a standard one
         # (without read-only namespaces, there are none of those).
         other_classes: object = _ANY_CLASS if dedicated else segment_class
-        if self._room_bytes() + self._empty_standard_bytes(other_classes) >= need:
+        if (not self.growing and self._room_bytes() < need
+                and self._room_bytes() + self._empty_standard_bytes(other_classes) >= need):
             self._retire_empty_standard(need, other_classes)
-            raise shortage
+            raise SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
+        if self.growing or self._room_bytes() >= need:
+            raise SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
         raise TierFullError(
             f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
             f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors (with "

@@ -189,9 +189,14 @@ class Dispatcher:
             if isinstance(exc, ProtocolError):
                 counters.malformed += 1
             self._error(identity, request_id, exc)
+            # Answered: its traceback goes now. The frames in it may hold the error in a local
+            # (a handler that raised an item's error from its results), a reference cycle per
+            # failed request that only the daemon's rare full collections would free.
+            exc.__traceback__ = None
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("internal error while serving a request")
             self._error(identity, request_id, _internal(exc))
+            exc.__traceback__ = None  # logged: as above
 
     # --- replies ---------------------------------------------------------------------
 

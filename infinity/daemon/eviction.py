@@ -134,9 +134,15 @@ class Eviction:
                     raise
                 full: InfinityError = self.space.tier_full(nbytes, what)
             except TierFullError as exc:
-                full = exc
+                # Kept without its traceback: that holds this frame, which holds `full`, a
+                # reference cycle per full tier that only the daemon's rare full collections
+                # free (the soak's small tier made ~10 a second).
+                full = exc.with_traceback(None)
             if self.nvme is None:
-                raise full
+                try:
+                    raise full
+                finally:
+                    del full  # raised from here, it would hold this frame again
             outcome = self._evict_for(nbytes, prefetch_of=prefetch_of)
             if outcome in (_FREED, _RETRY):
                 continue

@@ -174,7 +174,9 @@ class OptimizerService:
         try:
             self.namespaces.require_writable(session, message.namespace)  # a step writes
         except InfinityError as exc:
-            step.error = step.error or exc  # the parts already here must be answered too
+            # The parts already here must be answered too. Kept without its traceback, which
+            # holds this frame, which holds `step`: a cycle per refused step otherwise.
+            step.error = step.error or exc.with_traceback(None)
         last = message.part == message.parts - 1
         results: list[Any] = [None] * (len(message.items) + bool(message.record_name))
         self.counters.deferred_replies += 1
@@ -199,7 +201,7 @@ class OptimizerService:
         """A trainer gone before sending all of a step: none of that step is applied."""
         dropped = [key for key in self.assembling if key[0] == session.id]
         for key in dropped:
-            del self.assembling[key]
+            self.assembling.pop(key).jobs.clear()  # no cycle left behind (see `_committed`)
         return f"{len(dropped)} optimizer step(s) not all sent, dropped" if dropped else None
 
     def _begin_step(self, step: _Step) -> None:
@@ -226,6 +228,7 @@ class OptimizerService:
                 results[index] = self.counters.item_error(job.session, error)
             for _ in range(len(job.items) + (job is step.last())):
                 job.deferred.settle()
+        step.jobs.clear()  # answered: see `_committed`
 
     # --- a step's commit -----------------------------------------------------------------
 
@@ -281,6 +284,9 @@ class OptimizerService:
                                       f"({type(error).__name__}: {error}); see its log")
             job.deferred.results[len(job.items)] = self.counters.item_error(job.session, error)
         job.deferred.settle()
+        # A step and its jobs refer to each other: let go of them now, or every step would be
+        # a reference cycle that only the daemon's rare full collections free.
+        step.jobs.clear()
         self._commit_ready()
 
     def _debug_delay(self) -> Future[None]:
@@ -321,7 +327,9 @@ class OptimizerService:
         try:
             self._lease(job, item)
         except InfinityError as exc:
-            self._finish(job, item, exc)
+            # Without its traceback: `_lease` raised it from its own results, so its frame in
+            # the traceback holds it, a reference cycle per refused item otherwise.
+            self._finish(job, item, exc.with_traceback(None))
             return
 
         def ended(outcome: Future[str]) -> None:  # on the loop thread, as the job ran there
