@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         "tier_counters": tier_counters,  # evictions and reloads: the tier was churned
         "samples": len(samples), "second_fifth_max": warm, "last_fifth_max": end,
         "growth_once_warm": {key: end[key] - warm[key] for key in keys},
+        # The trend, not only its ends: the largest sample of each minute.
+        "anon_bytes_by_minute": [max(s["anon_bytes"] for s in samples[i:i + 60])
+                                 for i in range(0, len(samples), 60)],
     }
     print(json.dumps(result, indent=2))
     ok = alive and totals["lost"] == 0 and totals["wrong"] == 0 and totals["wrong_reads"] == 0
