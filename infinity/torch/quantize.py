@@ -68,12 +68,22 @@ from torch.nn import functional
 from infinity.errors import InvalidRequestError
 from infinity.io.native import native
 
-__all__ = ["BLOCK_SIZES", "FORMS", "DequantBuffers", "QuantizedWeight", "dequantize",
-           "linear_weight_names", "quantize", "round_trip"]
+__all__ = ["BLOCK_SIZES", "FORMS", "FUSED_MAX_ROWS", "DequantBuffers", "QuantizedWeight",
+           "dequantize", "linear", "linear_weight_names", "quantize", "round_trip"]
 
 FORMS = ("int8", "int4")
 BLOCK_SIZES = {"int8": 128, "int4": 64}
 QMAX = {"int8": 127, "int4": 7}
+# Rows of input up to which a linear layer computing on the CPU multiplies from its codes
+# (`linear`, no dequantized weight) rather than dequantizing the weight and running torch's
+# matrix product. The kernel reads each code once however many rows there are, but its
+# arithmetic grows with the rows (a multiply-add per row per element, without the blocking of
+# torch's matrix product), so past some rows dequantizing once and letting torch multiply wins.
+# Measured with tools/bench_quant_linear.py --sweep (bf16, 2048x2048, 2 threads, busy 2-vCPU
+# machine): the kernel was faster up to 8 rows for int8 (1.2x at 8, even at 12-16, 0.74x at
+# 24) and up to 16 for int4 (1.5x at 16, 0.75x at 24), whose dequantization costs more.
+# A decode step has 1 row a sequence; a prompt's prefill has one a token.
+FUSED_MAX_ROWS = {"int8": 8, "int4": 16}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of weights that can be quantized
 # Where a namespace stores a form's copies (see `model_store`): its codes, then its scales.
 CODES_PREFIX = {"int8": "__int8__/", "int4": "__int4__/"}
@@ -210,6 +220,37 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: str, block: int,
         torch.mul(signed[:, full_blocks * block:n], per_row[:, full_blocks:full_blocks + 1],
                   out=flat[:, full_blocks * block:])
     return out
+
+
+def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, form: str, block: int,
+           bias: torch.Tensor | None = None, *, implementation: str = "auto") -> torch.Tensor:
+    """`functional.linear(x, W, bias)` for the weight W (out, n) whose copy is `codes` and
+    `scales`, computed by the native kernel from the codes (no dequantized W; see the module
+    docstring): float32 sums, code * scale exact, one rounding to x's dtype. CPU tensors; x of
+    shape (..., n) and the scales' dtype. implementation: "auto", or "avx512", "avx2", "scalar"
+    (for tests; ValueError where this CPU cannot run it)."""
+    n, out = x.shape[-1], scales.shape[0]
+    if (codes.dim() != 2 or scales.dim() != 2 or codes.shape[0] != out
+            or codes.shape[1] != (n if form == "int8" else (n + 1) // 2)
+            or scales.shape[1] != math.ceil(n / block) or scales.dtype != x.dtype
+            or (bias is not None and (bias.shape != (out,) or bias.dtype != x.dtype))):
+        raise InvalidRequestError(
+            f"a {form} copy with codes {list(codes.shape)} and scales {list(scales.shape)} "
+            f"{scales.dtype} is not the weight of a linear layer taking {x.dtype} inputs of "
+            f"{n} features (block {block}); import the model again")
+    tensors = (x, codes, scales) if bias is None else (x, codes, scales, bias)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise InvalidRequestError("the native quantized linear takes CPU tensors; on a GPU, "
+                                  "dequantize the copy and use functional.linear")
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((*x.shape[:-1], out), dtype=x.dtype)
+    rows = x.numel() // n if n else math.prod(x.shape[:-1])
+    native().quant_linear(x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                          0 if bias is None else bias.data_ptr(), y.data_ptr(), form,
+                          str(x.dtype).removeprefix("torch."), rows, n, out, block,
+                          torch.get_num_threads(), implementation)
+    return y
 
 
 def round_trip(values: torch.Tensor, form: str, block: int | None = None) -> torch.Tensor:
