@@ -24,18 +24,9 @@ import torch
 from infinity import _native
 from infinity.errors import InvalidRequestError
 from infinity.torch.quantize import BLOCK_SIZES, linear, quantize
+from simd_paths import implementations
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
-
-
-def implementations() -> list[str]:
-    level = _native.simd_level()
-    found = ["scalar"]
-    if level in ("avx2", "avx512"):
-        found.append("avx2")
-    if level == "avx512":
-        found.append("avx512")
-    return found
 
 
 def plain_weight(codes: torch.Tensor, scales: torch.Tensor, form: str, block: int,
