@@ -36,9 +36,9 @@ linear layer that it spends on one in memory. So for inputs of few rows (a decod
 native `quant_linear`: each code read once and converted in registers, float32 sums per block
 times the block's scale, the weight's rows split over the task pool), and no weight is written
 out. Measured on the same machine (tools/bench_quant_linear.py, 1 row, weights read from
-memory, busy): a 2048x2048 layer in about 0.5 ms from int8 or int4 codes, against 2.0 ms
-(int8) and 2.6-7.3 ms (int4) to dequantize and multiply, and 0.7 ms for torch's bf16 product
-with the weight in memory. Transformers' `Conv1D` (GPT-2, weight (in, out)) keeps
+memory, quiet): a 2048x2048 layer in 0.31 ms from int8 codes and 0.51 ms from int4, against
+1.9 and 3.3 ms to dequantize and multiply, and 0.73 ms for torch's bf16 product with the
+weight in memory (docs/BENCHMARKS.md has the table). Transformers' `Conv1D` (GPT-2, weight (in, out)) keeps
 dequantizing: the kernel takes the (out, in) layout only.
 
 Block sizes: 128 for int8 (scales cost 1/64 of the codes' bytes in bf16), 64 for int4, whose
@@ -87,9 +87,10 @@ QMAX = {"int8": 127, "int4": 7}
 # matrix product. The kernel reads each code once however many rows there are, but its
 # arithmetic grows with the rows (a multiply-add per row per element, without the blocking of
 # torch's matrix product), so past some rows dequantizing once and letting torch multiply wins.
-# Measured with tools/bench_quant_linear.py --sweep (bf16, 2048x2048, 2 threads, busy 2-vCPU
-# machine): the kernel was faster up to 8 rows for int8 (1.2x at 8, even at 12-16, 0.74x at
-# 24) and up to 16 for int4 (1.5x at 16, 0.75x at 24), whose dequantization costs more.
+# Measured with tools/bench_quant_linear.py --sweep (bf16, 2048x2048, 2 threads, 2 vCPUs; one
+# busy run, one quiet, docs/results/bench_quant_linear.json): the kernel was faster up to 8
+# rows for int8 (1.2x and 1.9x at 8, 0.95-0.99x at 12, 0.75x at 24) and up to 16 for int4
+# (1.5x and 1.3x at 16, 0.75-0.82x at 24), whose dequantization costs more.
 # A decode step has 1 row a sequence; a prompt's prefill has one a token.
 FUSED_MAX_ROWS = {"int8": 8, "int4": 16}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of weights that can be quantized
