@@ -17,6 +17,7 @@
 #include "engine.h"
 #include "errors.h"
 #include "kaio.h"
+#include "quant_linear.h"
 #include "shared_memory.h"
 #include "task_pool.h"
 #include "tasks.h"
@@ -299,6 +300,45 @@ PYBIND11_MODULE(_native, m) {
       "Write code * scale into out (dtype, rows x n) from block-wise int8 or int4 codes and their scales "
       "(dtype, rows x ceil(n / block)), in one pass (infinity.torch.quantize's format).");
   m.def("dequantize_implementation", &infinity::dequantize_implementation);
+  m.def(
+      "quant_linear",
+      [](uint64_t x, uint64_t codes, uint64_t scales, uint64_t bias, uint64_t y, const std::string& form,
+         const std::string& dtype, int64_t rows, int64_t n, int64_t out, int64_t block, int num_threads,
+         const std::string& implementation) {
+        if (rows < 0 || n < 0 || out < 0 || block < 0)
+          throw py::value_error("rows, n, out and block must be >= 0 (they are " + std::to_string(rows) + ", " +
+                                std::to_string(n) + ", " + std::to_string(out) + ", " + std::to_string(block) + ")");
+        if (form != "int8" && form != "int4") throw py::value_error("form is " + form + "; it must be int8 or int4");
+        infinity::QuantLinearBuffers b;
+        b.x = reinterpret_cast<const void*>(x);
+        b.codes = reinterpret_cast<const void*>(codes);
+        b.scales = reinterpret_cast<const void*>(scales);
+        b.bias = reinterpret_cast<const void*>(bias);
+        b.y = reinterpret_cast<void*>(y);
+        b.form = form == "int8" ? infinity::QuantForm::kInt8 : infinity::QuantForm::kInt4;
+        b.type = element_type(dtype, "dtype");
+        b.rows = static_cast<size_t>(rows);
+        b.n = static_cast<size_t>(n);
+        b.out = static_cast<size_t>(out);
+        b.block = static_cast<size_t>(block);
+        const std::string problem = infinity::quant_linear_check(b);
+        if (!problem.empty()) throw py::value_error(problem);
+        bool ran;
+        {
+          py::gil_scoped_release nogil;
+          ran = infinity::quant_linear(b, num_threads, implementation.c_str());
+        }
+        if (!ran)
+          throw py::value_error("implementation " + implementation + " cannot run on this CPU (it offers " +
+                                infinity::quant_linear_implementation() + "); use auto, scalar, avx2 or avx512");
+      },
+      "x"_a, "codes"_a, "scales"_a, "bias"_a, "y"_a, "form"_a, "dtype"_a, "rows"_a, "n"_a, "out"_a, "block"_a,
+      "num_threads"_a = 1, "implementation"_a = "auto",
+      "Write y = x @ W.T (+ bias) (dtype, rows x out) from x (dtype, rows x n) and W's block-wise int8 or "
+      "int4 codes and scales (dtype, out x ceil(n / block)), with no dequantized copy of W: float32 sums, "
+      "one rounding (infinity.torch.quantize's format). bias: an address, or 0 for none.");
+  m.def("quant_linear_implementation", &infinity::quant_linear_implementation,
+        "\"avx512\" | \"avx2\" | \"scalar\": what implementation=\"auto\" runs here");
   m.def("adam_implementation", &infinity::adam_implementation, "\"avx512\" | \"avx2\" | \"scalar\"");
   m.def("crc32c_implementation", &infinity::crc32c_implementation);
   m.def("simd_level", &infinity::simd_level, "\"avx512\" | \"avx2\" | \"sse4.2\" | \"scalar\"");

@@ -8,6 +8,7 @@
 
 #include "cpu.h"
 #include "elements.h"
+#include "quant_codes.h"
 #include "task_pool.h"
 
 namespace infinity {
@@ -29,10 +30,6 @@ __attribute__((target("avx2"))) inline void stream_tile(char* dst, const uint8_t
                         _mm256_load_si256(reinterpret_cast<const __m256i*>(tile + k)));
 }
 
-inline int int4_code(const uint8_t* row, size_t j) {
-  return static_cast<int>((row[j >> 1] >> ((j & 1u) * 4u)) & 15u) - 8;
-}
-
 // Elements [begin, end) of one row, all in one block (scale s), one at a time.
 void row_scalar(const DequantBuffers& b, const uint8_t* codes, void* out, size_t begin, size_t end,
                 float s) {
@@ -41,15 +38,6 @@ void row_scalar(const DequantBuffers& b, const uint8_t* codes, void* out, size_t
                                                 : int4_code(codes, j);
     store_element(out, b.type, j, static_cast<float>(code) * s);
   }
-}
-
-// 16 int4 codes from 8 bytes, in element order, as int8 (-8 .. 7).
-__attribute__((target("avx2"))) inline __m128i unpack16(const uint8_t* bytes) {
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(15);
-  const __m128i low = _mm_and_si128(raw, mask);
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  return _mm_sub_epi8(_mm_unpacklo_epi8(low, high), _mm_set1_epi8(8));
 }
 
 // Whether the 16-element groups of a block starting at j stream: a large output, and a group's

@@ -12,18 +12,9 @@ import pytest
 import torch
 
 from infinity import _native
+from simd_paths import implementations
 
 ODD_SIZES = [1, 15, 17, 33, 1001, 65_537]
-
-
-def implementations() -> list[str]:
-    level = _native.simd_level()
-    found = ["scalar"]
-    if level in ("avx2", "avx512"):
-        found.append("avx2")
-    if level == "avx512":
-        found.append("avx512")
-    return found
 
 
 def kernel_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

@@ -1,5 +1,5 @@
 """Builds an AddressSanitizer copy of infinity._native and runs I/O, CRC, task-pool, Adam,
-dequantization and error paths under it."""
+dequantization, quantized-linear and error paths under it."""
 
 from __future__ import annotations
 
@@ -208,6 +208,26 @@ SCRIPT = textwrap.dedent(
                 result = (ctypes.c_uint8 * (rows * cols * size))()
                 n.dequantize(ctypes.addressof(codes), ctypes.addressof(scales),
                              ctypes.addressof(result), form, dtype, rows, cols, block, threads)
+
+    # The quantized linear (int8, int4) on every path this CPU has, each input type, 1 to 5 rows
+    # (a group of 4 and a remainder), features that neither the block nor a vector divides,
+    # buffers of exactly their size (over 512 bytes: malloc's): the vector loops, the scalar
+    # tails and the bias stay inside them, split over the task pool too (700 x 401 weights).
+    for form, block in (("int8", 40), ("int4", 18)):
+        for dtype, size in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
+            for rows, cols, outs, threads in ((1, 301, 9, 1), (5, 301, 9, 1), (3, 401, 700, 3)):
+                x = (ctypes.c_uint8 * (rows * cols * size))()
+                codes = (ctypes.c_uint8 * (outs * (cols if form == "int8" else (cols + 1) // 2)))()
+                scales = (ctypes.c_uint8 * (outs * -(-cols // block) * size))()
+                bias = (ctypes.c_uint8 * (outs * size))()
+                y = (ctypes.c_uint8 * (rows * outs * size))()
+                for implementation in ("scalar", "avx2", "avx512"):
+                    try:
+                        n.quant_linear(ctypes.addressof(x), ctypes.addressof(codes), ctypes.addressof(scales),
+                                       ctypes.addressof(bias), ctypes.addressof(y), form, dtype, rows, cols,
+                                       outs, block, threads, implementation)
+                    except ValueError as exc:
+                        assert "cannot run on this CPU" in str(exc), exc
 
     # Huge pages for shared memory: a memfd with bytes in it, an odd length, a bad fd.
     fd = os.memfd_create("asan")

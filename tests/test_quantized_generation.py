@@ -17,7 +17,8 @@ from infinity.client.launch import settings_as_flags
 from infinity.errors import QuantizedFormNotFoundError, ReadOnlyNamespaceError
 from infinity.torch.generation import load_causal_lm
 from infinity.torch.model_store import import_model, list_models, require_model
-from infinity.torch.quantize import round_trip
+from infinity.torch.offload import offload_state
+from infinity.torch.quantize import BLOCK_SIZES, FUSED_MAX_ROWS, linear, quantize, round_trip
 from tiny_models import llama, save_char_tokenizer
 
 pytest.importorskip("transformers")
@@ -44,6 +45,17 @@ def in_memory(folder: str, form: str | None = None) -> Any:
             for name, param in model.named_parameters():
                 if name.split(".")[-2] in LINEAR:
                     param.copy_(round_trip(param, form))
+    return model
+
+
+def computing_from_codes(model: Any, form: str) -> Any:
+    """`model` (in memory) with each linear layer multiplying from its weight's `form` copy with
+    the native kernel (what a streamed quantized model computes for a decode step)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings():
+            codes, scales = quantize(module.weight.detach(), form, BLOCK_SIZES[form])
+            module.forward = (lambda x, m=module, c=codes, s=scales:
+                              linear(x, c, s, form, BLOCK_SIZES[form], m.bias))
     return model
 
 
@@ -82,18 +94,56 @@ def test_an_import_asked_for_both_forms_keeps_each_linear_weights_copies(
     assert info.quantized == ("int8", "int4")
 
 
-def test_streamed_int8_computes_as_the_model_with_its_copies_dequantized(
+def test_a_streamed_int8_prompt_computes_as_the_model_with_its_copies_dequantized(
         client: Any, folder: str) -> None:
-    """Bit for bit: the streamed model dequantizes each copy into a buffer and runs the same
-    kernels on the same values as the in-memory model whose linear weights are replaced by
-    their round trip (which test_torch_quantize checks against a plain reference)."""
+    """Bit for bit, for inputs of more rows than FUSED_MAX_ROWS (a prompt's prefill): the
+    streamed model dequantizes each copy into a buffer and runs the same kernels on the same
+    values as the in-memory model whose linear weights are replaced by their round trip (which
+    test_torch_quantize checks against a plain reference)."""
     import_model(client, folder, namespace="lm", progress=False, quantize=("int8",))
     model = load_causal_lm(client, namespace="lm", quantization="int8")
     inputs = prompts()
+    assert inputs["input_ids"].numel() > FUSED_MAX_ROWS["int8"]
     assert torch.equal(logits(model, inputs), logits(in_memory(folder, "int8"), inputs))
+    assert offload_state(model).dequantized.idle_bytes() > 0  # the weights were dequantized
+    assert client.stats()["clients"][0]["leases"] == 0
+
+
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_a_streamed_decode_step_multiplies_from_the_codes_as_the_kernel_in_memory_does(
+        client: Any, folder: str, form: str) -> None:
+    """Bit for bit, for inputs of at most FUSED_MAX_ROWS rows (a decode step, 1 row a
+    sequence): each linear layer multiplies from its leased codes with the native kernel
+    (test_native_quant_linear checks it against a plain reference), as the in-memory model
+    whose linear layers call that kernel on the same codes does, and no weight is dequantized
+    into a buffer."""
+    import_model(client, folder, namespace="lm", progress=False, quantize=(form,))
+    model = load_causal_lm(client, namespace="lm", quantization=form)
+    inputs = prompts(3, 1)
+    got = logits(model, inputs)
+    assert offload_state(model).dequantized.idle_bytes() == 0
+    assert torch.equal(got, logits(computing_from_codes(in_memory(folder), form), inputs))
+    assert client.stats()["clients"][0]["leases"] == 0
+
+
+def test_streamed_int8_generation_keeps_the_greedy_tokens_of_its_copies_dequantized(
+        client: Any, folder: str) -> None:
+    """The decode steps multiply from the codes (float32 sums in the kernel's order, code *
+    scale not rounded to the weight's type first), so their logits are not the dequantized
+    model's bit for bit. Each linear output differs from the dequantized weight's product by
+    at most about (2 gamma(n + 3) + u) sum |x| |w| (u = 2^-24 for this float32 model, n = 32
+    or 48 features: under 1e-5 of sum |x| |w|); the test allows 1e-4 of the largest |logit|
+    for the whole 2-layer model (measured: 1.5e-7), and asks for the same greedy tokens."""
+    import_model(client, folder, namespace="lm", progress=False, quantize=("int8",))
+    model = load_causal_lm(client, namespace="lm", quantization="int8")
+    reference = in_memory(folder, "int8")
+    step = prompts(3, 1)
+    expected = logits(reference, step)
+    assert (logits(model, step) - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    inputs = prompts()
     options = dict(max_new_tokens=6, do_sample=False)
     assert torch.equal(model.generate(**inputs, **options),
-                       in_memory(folder, "int8").generate(**inputs, **options))
+                       reference.generate(**inputs, **options))
     assert client.stats()["clients"][0]["leases"] == 0
 
 
@@ -120,11 +170,12 @@ def test_streamed_int8_logits_are_within_the_derived_bound_of_full_precision(
 def test_streamed_int4_through_a_copying_device_computes_as_its_copies_dequantized(
         client: Any, folder: str) -> None:
     # The CPU as a device that copies (the CUDA path's code, run here): the codes and scales
-    # come into the device budget, and are dequantized there.
+    # come into the device budget, and are dequantized there (inputs of more rows than
+    # FUSED_MAX_ROWS: fewer would multiply from the copied codes, the CPU being the device).
     import_model(client, folder, namespace="lm", progress=False, quantize=("int4",))
     model = load_causal_lm(client, namespace="lm", quantization="int4", copier=CpuCopier(),
                            device_budget_bytes=64 << 10)
-    inputs = prompts(2, 5)
+    inputs = prompts(2, FUSED_MAX_ROWS["int4"] // 2 + 1)
     assert torch.equal(logits(model, inputs), logits(in_memory(folder, "int4"), inputs))
     assert client.stats()["clients"][0]["leases"] == 0
 

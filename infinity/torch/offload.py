@@ -43,7 +43,12 @@ its full-precision tensor (so the daemon's trace, its prefetch and the device ca
 those fewer bytes), and its pre-hook dequantizes them on the compute device into a buffer of the
 compute dtype that the parameter points at while the unit computes; the post-hook gives the
 buffer back to the module tree's `DequantBuffers`, which hands it to the next weight of its
-shape. So what the process holds still grows with the largest unit, not with the model.
+shape. So what the process holds still grows with the largest unit, not with the model. An
+`nn.Linear` computing on the CPU skips the buffer where its input has few rows (a decode step:
+at most `FUSED_MAX_ROWS`): its pre-hook keeps the codes and scales leased instead, and the
+module's forward (replaced on that instance by `_Unit.linear_forward`, which falls back to
+`nn.Linear.forward` whenever the weight was dequantized) multiplies from them with the native
+kernel (`infinity.torch.quantize.linear`), the weight never written out in full.
 
 The optimizer's step may still run in the daemon when the next forward starts
 (`infinity.torch.optim`): each parameter's `_Param.step` holds the step updating it, and a
@@ -68,7 +73,7 @@ from infinity.errors import InvalidRequestError, LeaseError
 from infinity.io.native import native
 from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
 from infinity.torch.distributed import NodeRanks, node_ranks
-from infinity.torch.quantize import DequantBuffers, QuantizedWeight
+from infinity.torch.quantize import FUSED_MAX_ROWS, DequantBuffers, QuantizedWeight, linear
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
@@ -164,6 +169,10 @@ class _Unit:
         self.entries = entries
         self.names = [name for entry in entries for name in entry.lease_names]
         self.buffers: list[torch.Tensor] = []  # its quantized parameters, dequantized
+        # The weight entry of an nn.Linear computing on the CPU from a quantized copy (set by
+        # `offload`), and while its forward multiplies from the codes, they and the scales.
+        self.fusable: _Param | None = None
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
         # The module's own parameter slots as offload found them: a parameter replaced later
         # (module.weight = nn.Parameter(...)) would compute with values the store never saw.
         self.slots = [(slot, param) for slot, param in module._parameters.items()
@@ -173,7 +182,33 @@ class _Unit:
         self.in_backward = False
         self.grads_left = 0
 
-    def acquire(self) -> None:
+    def fuses(self, args: tuple[Any, ...]) -> bool:
+        """Whether this forward (of `args`) multiplies from the codes: the module's weight has a
+        quantized copy on the CPU, and its input is a CPU tensor of the weight's dtype with at
+        most FUSED_MAX_ROWS rows that needs no gradient."""
+        if self.fusable is None or not args or not isinstance(args[0], torch.Tensor):
+            return False
+        x, weight = args[0], self.fusable.quantized
+        assert weight is not None
+        return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dim() > 0
+                and x.numel() <= FUSED_MAX_ROWS[weight.form] * x.shape[-1]
+                and not (x.requires_grad and torch.is_grad_enabled()))
+
+    def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of an nn.Linear unit with a quantized weight (see `fusable`)."""
+        module = self.module
+        if self.fused is None:
+            return nn.Linear.forward(module, x)  # type: ignore[arg-type]
+        weight = self.fusable.quantized if self.fusable is not None else None
+        assert weight is not None
+        codes, scales = self.fused
+        bias = module.bias
+        assert bias is None or isinstance(bias, torch.Tensor)
+        return linear(x, codes, scales, weight.form, weight.block, bias)
+
+    def acquire(self, *, fused: bool = False) -> None:
+        """Lease the unit's parameters and point them at their values; `fused` (see `fuses`):
+        keep the weight's codes and scales for `linear_forward` instead of dequantizing them."""
         if self.lease is not None:
             return
         self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
@@ -185,6 +220,9 @@ class _Unit:
         views = iter(lease.tensors)
         for entry in self.entries:
             view = next(views)
+            if fused and entry is self.fusable:
+                self.fused = (view, next(views))  # the parameter keeps its placeholder
+                continue
             if entry.quantized is not None:
                 view = self.state.dequantized.take(entry.quantized, view, next(views))
                 self.buffers.append(view)
@@ -202,6 +240,7 @@ class _Unit:
         for buffer in self.buffers:
             self.state.dequantized.give(buffer)
         self.buffers.clear()
+        self.fused = None
         lease, self.lease = self.lease, None
         self.in_backward = False
         lease.release()
@@ -290,7 +329,7 @@ class OffloadState:
         if not torch.is_grad_enabled():
             self._settle_device()  # no backward follows to do it
 
-    def _pre_forward(self, unit: _Unit) -> None:
+    def _pre_forward(self, unit: _Unit, args: tuple[Any, ...]) -> None:
         parameters = unit.module._parameters
         for slot, param in unit.slots:
             if parameters.get(slot) is not param:
@@ -304,7 +343,7 @@ class OffloadState:
                 if id(entry) not in self._order_seen:
                     self._order_seen.add(id(entry))
                     self.forward_order.append(entry)
-        unit.acquire()
+        unit.acquire(fused=unit.fuses(args))
 
     def _post_forward(self, unit: _Unit) -> None:
         if unit.depth == 0:
@@ -803,8 +842,14 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
         state.units.append(unit)
         for entry in entries:
             entry.units.append(unit)
+        if (inference and computes_on.type == "cpu" and type(module).forward is nn.Linear.forward
+                and module._parameters.get("weight") is not None):
+            weight = state._by_param[id(module._parameters["weight"])]
+            if weight.quantized is not None:
+                unit.fusable = weight
+                module.forward = unit.linear_forward  # type: ignore[method-assign]
         module.register_forward_pre_hook(
-            lambda m, a, unit=unit: state._pre_forward(unit))
+            lambda m, a, unit=unit: state._pre_forward(unit, a))
         module.register_forward_hook(
             lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True)
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as

@@ -30,8 +30,16 @@ machine, lightly loaded): their matrix-vector products 7.0-8.4 ms; dequantizing 
 several passes), natively 11-12 ms. Scales in the compute dtype keep torch's path to as few
 passes as it takes: with float32 scales, its multiply into a bf16 buffer goes through a float32
 temporary (several times slower again). Either way a dequantized weight is written and read
-again, so a CPU computing from quantized copies spends about twice the time on each linear
-layer that it spends on one in memory; what it saves is bytes to move.
+again, so a CPU computing from quantized copies that way spends about twice the time on each
+linear layer that it spends on one in memory. So for inputs of few rows (a decode step; at most
+`FUSED_MAX_ROWS`) an `nn.Linear` on the CPU multiplies from the codes instead (`linear`, the
+native `quant_linear`: each code read once and converted in registers, float32 sums per block
+times the block's scale, the weight's rows split over the task pool), and no weight is written
+out. Measured on the same machine (tools/bench_quant_linear.py, 1 row, weights read from
+memory, quiet): a 2048x2048 layer in 0.31 ms from int8 codes and 0.51 ms from int4, against
+1.9 and 3.3 ms to dequantize and multiply, and 0.73 ms for torch's bf16 product with the
+weight in memory (docs/BENCHMARKS.md has the table). Transformers' `Conv1D` (GPT-2, weight (in, out)) keeps
+dequantizing: the kernel takes the (out, in) layout only.
 
 Block sizes: 128 for int8 (scales cost 1/64 of the codes' bytes in bf16), 64 for int4, whose
 grid of 15 steps makes an outlier cost a block more, so smaller blocks pay for their scales
@@ -68,12 +76,23 @@ from torch.nn import functional
 from infinity.errors import InvalidRequestError
 from infinity.io.native import native
 
-__all__ = ["BLOCK_SIZES", "FORMS", "DequantBuffers", "QuantizedWeight", "dequantize",
-           "linear_weight_names", "quantize", "round_trip"]
+__all__ = ["BLOCK_SIZES", "FORMS", "FUSED_MAX_ROWS", "DequantBuffers", "QuantizedWeight",
+           "dequantize", "linear", "linear_weight_names", "quantize", "round_trip"]
 
 FORMS = ("int8", "int4")
 BLOCK_SIZES = {"int8": 128, "int4": 64}
 QMAX = {"int8": 127, "int4": 7}
+# Rows of input up to which a linear layer computing on the CPU multiplies from its codes
+# (`linear`, no dequantized weight) rather than dequantizing the weight and running torch's
+# matrix product. The kernel reads each code once however many rows there are, but its
+# arithmetic grows with the rows (a multiply-add per row per element, without the blocking of
+# torch's matrix product), so past some rows dequantizing once and letting torch multiply wins.
+# Measured with tools/bench_quant_linear.py --sweep (bf16, 2048x2048, 2 threads, 2 vCPUs; one
+# busy run, one quiet, docs/results/bench_quant_linear.json): the kernel was faster up to 8
+# rows for int8 (1.2x and 1.9x at 8, 0.95-0.99x at 12, 0.75x at 24) and up to 16 for int4
+# (1.5x and 1.3x at 16, 0.75-0.82x at 24), whose dequantization costs more.
+# A decode step has 1 row a sequence; a prompt's prefill has one a token.
+FUSED_MAX_ROWS = {"int8": 8, "int4": 16}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of weights that can be quantized
 # Where a namespace stores a form's copies (see `model_store`): its codes, then its scales.
 CODES_PREFIX = {"int8": "__int8__/", "int4": "__int4__/"}
@@ -210,6 +229,37 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, form: str, block: int,
         torch.mul(signed[:, full_blocks * block:n], per_row[:, full_blocks:full_blocks + 1],
                   out=flat[:, full_blocks * block:])
     return out
+
+
+def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, form: str, block: int,
+           bias: torch.Tensor | None = None, *, implementation: str = "auto") -> torch.Tensor:
+    """`functional.linear(x, W, bias)` for the weight W (out, n) whose copy is `codes` and
+    `scales`, computed by the native kernel from the codes (no dequantized W; see the module
+    docstring): float32 sums, code * scale exact, one rounding to x's dtype. CPU tensors; x of
+    shape (..., n) and the scales' dtype. implementation: "auto", or "avx512", "avx2", "scalar"
+    (for tests; ValueError where this CPU cannot run it)."""
+    n, out = x.shape[-1], scales.shape[0]
+    if (codes.dim() != 2 or scales.dim() != 2 or codes.shape[0] != out
+            or codes.shape[1] != (n if form == "int8" else (n + 1) // 2)
+            or scales.shape[1] != math.ceil(n / block) or scales.dtype != x.dtype
+            or (bias is not None and (bias.shape != (out,) or bias.dtype != x.dtype))):
+        raise InvalidRequestError(
+            f"a {form} copy with codes {list(codes.shape)} and scales {list(scales.shape)} "
+            f"{scales.dtype} is not the weight of a linear layer taking {x.dtype} inputs of "
+            f"{n} features (block {block}); import the model again")
+    tensors = (x, codes, scales) if bias is None else (x, codes, scales, bias)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise InvalidRequestError("the native quantized linear takes CPU tensors; on a GPU, "
+                                  "dequantize the copy and use functional.linear")
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((*x.shape[:-1], out), dtype=x.dtype)
+    rows = x.numel() // n if n else math.prod(x.shape[:-1])
+    native().quant_linear(x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                          0 if bias is None else bias.data_ptr(), y.data_ptr(), form,
+                          str(x.dtype).removeprefix("torch."), rows, n, out, block,
+                          torch.get_num_threads(), implementation)
+    return y
 
 
 def round_trip(values: torch.Tensor, form: str, block: int | None = None) -> torch.Tensor:
