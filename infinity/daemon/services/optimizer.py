@@ -38,8 +38,23 @@ last part goes only after that. A step of no items is a barrier: its reply says 
 received before it in its namespace is applied (a restarted trainer waits for the step its
 predecessor left running before it reads the state).
 
-`daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item wait that long after
-the one before it, so a test can kill a trainer in the middle of the daemon's step.
+An item larger than the window that is not all in the CPU tier (an embedding: its four fp32
+tensors can be gigabytes, more than the whole tier) is not loaded whole: it is stepped in pieces
+(`infinity.daemon.services.adam_pieces`): element ranges read (from NVMe, or copied from
+resident versions) into staging slices that hold at most the window, the kernel run on each, and
+each written to fresh NVMe extents while the next is read and computed; the new versions are
+published together at the end. Why this design: writing ranges in place (into the resident
+versions or the indexed extents) would leave a torn tensor after an I/O error or a kill, while
+fresh extents plus one publish keep what the whole-item step keeps: the item applied all or
+none, each tensor's durable copy old or new, never mixed (the index moves at the next flush, as
+for any write); and the memory is the staging's, bounded by the window, whatever the
+parameter's size. The results are bit for bit the whole-item step's (the kernel is elementwise).
+An item that does not fit but is all resident already is stepped whole, in place (no memory to
+save, no I/O to do).
+
+`daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item (and each piece of an
+item stepped in pieces) wait that long after the one before it, so a test can kill a trainer, or
+the daemon, in the middle of the daemon's step.
 """
 
 from __future__ import annotations
