@@ -38,8 +38,23 @@ last part goes only after that. A step of no items is a barrier: its reply says 
 received before it in its namespace is applied (a restarted trainer waits for the step its
 predecessor left running before it reads the state).
 
-`daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item wait that long after
-the one before it, so a test can kill a trainer in the middle of the daemon's step.
+An item larger than the window that is not all in the CPU tier (an embedding: its four fp32
+tensors can be gigabytes, more than the whole tier) is not loaded whole: it is stepped in pieces
+(`infinity.daemon.services.adam_pieces`): element ranges read (from NVMe, or copied from
+resident versions) into staging slices that hold at most the window, the kernel run on each, and
+each written to fresh NVMe extents while the next is read and computed; the new versions are
+published together at the end. Why this design: writing ranges in place (into the resident
+versions or the indexed extents) would leave a torn tensor after an I/O error or a kill, while
+fresh extents plus one publish keep what the whole-item step keeps: the item applied all or
+none, each tensor's durable copy old or new, never mixed (the index moves at the next flush, as
+for any write); and the memory is the staging's, bounded by the window, whatever the
+parameter's size. The results are bit for bit the whole-item step's (the kernel is elementwise).
+An item that does not fit but is all resident already is stepped whole, in place (no memory to
+save, no I/O to do).
+
+`daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item (and each piece of an
+item stepped in pieces) wait that long after the one before it, so a test can kill a trainer, or
+the daemon, in the middle of the daemon's step.
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ from infinity.daemon.catalog import Catalog, Version
 from infinity.daemon.jobs import Job, start_job
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
+from infinity.daemon.services.adam_pieces import PiecePlan, PieceStepper, PutBack, plan_pieces
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tasks import LoopTaskPool
@@ -79,7 +95,8 @@ class _Item:
     lease_id: int = 0
     versions: list[Version] = field(default_factory=list)  # param, grad, exp_avg, exp_avg_sq[, master]
     error: InfinityError | None = None
-    nbytes: int = 0
+    nbytes: int = 0  # what it holds of the window: its tensors, or its staging when in pieces
+    plan: PiecePlan | None = None  # stepped in pieces (larger than the window)
 
 
 @dataclass(eq=False)
@@ -145,6 +162,7 @@ class OptimizerService:
         self.steps = 0          # items stepped
         self.elements = 0       # parameters stepped
         self.requeued = 0       # items started again after the tier filled up
+        self.pieces = PieceStepper(catalog, tiers, tasks)  # items larger than the window
 
     def routes(self) -> Routes:
         return {wire.AdamStep: self.adam_step}
@@ -157,7 +175,10 @@ class OptimizerService:
                 "items_requeued": self.requeued, "window_bytes": self.window_bytes,
                 "items_running": self.running, "requests_queued": len(self.queue),
                 "steps_assembling": len(self.assembling), "steps_unsettled": len(self.unsettled),
-                "records_written": self.records,
+                "records_written": self.records, "items_in_pieces": self.pieces.items,
+                "pieces_stepped": self.pieces.pieces,
+                "piece_bytes_read": self.pieces.bytes_read,
+                "piece_bytes_written": self.pieces.bytes_written,
                 "num_threads": self.tasks.pool.num_threads}
 
     # --- a request -----------------------------------------------------------------------
@@ -353,12 +374,28 @@ class OptimizerService:
                 raise outcome
         self._check(item)
         item.nbytes = sum(v.nbytes for v in item.versions)
+        if item.nbytes > self.window_bytes and any(v.cpu is None and v.nbytes
+                                                   for v in item.versions):
+            # Larger than the window and not all in the CPU tier: in pieces, holding only
+            # staging slices of the window (see infinity.daemon.services.adam_pieces).
+            item.plan = plan_pieces(item.versions, _numel(item.versions[0]), self.window_bytes)
+            item.nbytes = item.plan.staging_bytes
         self.in_flight_bytes += item.nbytes
 
     def _step_one(self, job: _Job, item: _Item) -> Job[str]:
         """The rest of one parameter's step once leased, its stages in order: load, compute.
         Returns "done", or "put back" when the tier was too full of this step's other items to
         load it now."""
+        if item.plan is not None:
+            try:
+                yield from self.pieces.run(
+                    item.plan, item.versions, item.group, item.item.step,
+                    others_running=lambda: self.running > 1,
+                    delay=lambda: self._debug_delay() if self.item_delay_s else None,
+                    stopping=self._stopping)
+            except PutBack:
+                return "put back"
+            return "done"
         # Bring what is only on NVMe into the CPU tier.
         loads = [self._resident(v) for v in item.versions if v.cpu is None and v.nbytes]
         if loads:
@@ -370,9 +407,9 @@ class OptimizerService:
                 raise
         if self.item_delay_s:
             yield self._debug_delay()
-        if self.closing:
-            raise InvalidRequestError("infinityd is stopping; the step was not applied to this "
-                                      "parameter")
+        stopping = self._stopping()
+        if stopping is not None:
+            raise stopping
         # The arithmetic, on the native task pool: the fp32 values (the master copy when
         # there is one) and both moments in place, the parameter's own dtype written alongside.
         for version in item.versions[:1] + item.versions[2:]:
@@ -393,6 +430,12 @@ class OptimizerService:
                 low_dtype=param.dtype if master is not None else "none",
                 chunk_elements=CHUNK_ELEMENTS)
         return "done"
+
+    def _stopping(self) -> InfinityError | None:
+        if not self.closing:
+            return None
+        return InvalidRequestError("infinityd is stopping; the step was not applied to this "
+                                   "parameter")
 
     def _resident(self, version: Version) -> Future[None]:
         """A future of the version's bytes being in the CPU tier (its load from NVMe done)."""
@@ -438,7 +481,7 @@ class OptimizerService:
         self.window_bytes = max(1, min(self.window_bytes, self.in_flight_bytes - item.nbytes))
         self.in_flight_bytes -= item.nbytes
         self.running -= 1
-        item.error, item.nbytes, item.versions = None, 0, []
+        item.error, item.nbytes, item.versions, item.plan = None, 0, [], None
         job.retry.append(item)
         if not job.queued:  # its last items had started: it goes first again
             job.queued = True
