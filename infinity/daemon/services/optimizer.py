@@ -147,6 +147,7 @@ class OptimizerService:
         self.namespaces = namespaces
         self.tasks = tasks
         self.window_bytes = max(1, cpu_tier_bytes // 4)
+        self.pieces_from_bytes = max(1, cpu_tier_bytes // 2)  # items stepped in pieces
         self.queue: deque[_Job] = deque()  # requests with items to start, oldest first
         self.in_flight_bytes = 0           # leased by the items under way, every request's
         self.running = 0                   # items under way
@@ -374,8 +375,11 @@ class OptimizerService:
                 raise outcome
         self._check(item)
         item.nbytes = sum(v.nbytes for v in item.versions)
-        if item.nbytes > self.window_bytes and any(v.cpu is None and v.nbytes
-                                                   for v in item.versions):
+        # Only where the whole item could not sit in half the tier: below that the whole-item
+        # path (loads put back while the tier is full) served before, and the pieces' staging
+        # met TierFullError beside a trainer's leases in an 8 MiB tier (tests/test_torch_optim.py).
+        if item.nbytes > self.pieces_from_bytes and any(v.cpu is None and v.nbytes
+                                                        for v in item.versions):
             # Larger than the window and not all in the CPU tier: in pieces, holding only
             # staging slices of the window (see infinity.daemon.services.adam_pieces).
             item.plan = plan_pieces(item.versions, _numel(item.versions[0]), self.window_bytes)
