@@ -476,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    # Every worker inherits it: with "PASSIVE", torch's OpenMP threads sleep
+                    # between parallel regions instead of spinning on cores a daemon needs.
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")},
         "dir": base, "rounds": args.rounds, "steps_per_round": args.steps, "quick": args.quick,
         "models": {},
     }

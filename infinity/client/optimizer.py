@@ -10,7 +10,8 @@ were sent.
 `AdamStepper.send_step` sends one step as several requests (sub-groups, perhaps of several
 namespaces) that the daemon applies all or none, with an optional record it writes once the step is
 applied (see `wire.AdamStep`); `wait_for_steps` returns once every step the daemon received before
-it in a namespace is applied, whoever sent it.
+it in a namespace is applied, whoever sent it. `AdamStepper.send_guess` sends a speculative step
+(the coming step's guess, during backward), which publishes nothing by itself.
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ class AdamStepper:
                     expect_reply=True, releases=client._take_releases())
                 request_ids[index].append(request_id)
         return [PendingAdamStep(self, ids) for ids in request_ids]
+
+    def send_guess(self, groups: Sequence[wire.AdamGroup], items: Sequence[wire.AdamItem], *,
+                   namespace: str) -> PendingAdamStep:
+        """Send a speculative step over `items` (`wire.AdamStep.speculative`: computed now,
+        published only by a later step's matching item) and return at once."""
+        client = self._client
+        request_ids: list[int] = []
+        with self._lock:
+            client._check_usable()
+            for start in range(0, len(items), wire.MAX_ITEMS):
+                request_id = next(client._request_ids)
+                self._channel.send(request_id, wire.AdamStep(
+                    namespace, tuple(groups), tuple(items[start:start + wire.MAX_ITEMS]),
+                    speculative=True), expect_reply=True, releases=client._take_releases())
+                request_ids.append(request_id)
+        return PendingAdamStep(self, request_ids)
 
     def _wait(self, request_id: int) -> tuple[Any, ...]:
         with self._lock:

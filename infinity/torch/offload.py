@@ -50,6 +50,11 @@ module's forward (replaced on that instance by `_Unit.linear_forward`, which fal
 `nn.Linear.forward` whenever the weight was dequantized) multiplies from them with the native
 kernel (`infinity.torch.quantize.linear`), the weight never written out in full.
 
+Listeners (`gradient_listeners`, `backward_listeners`) hear of each gradient once it is stored
+and of each backward's end: the optimizer's speculative step (`infinity.torch.optim`) sends its
+guesses from there. A unit whose lease finds the CPU tier full waits for the daemon's work for
+this module (guesses, a step's last sub-groups: `settle_daemon_work`) and asks once more.
+
 The optimizer's step may still run in the daemon when the next forward starts
 (`infinity.torch.optim`): each parameter's `_Param.step` holds the step updating it, and a
 unit's acquire, the gradient hook and the reads below wait for it first (`settle_steps`); on a
@@ -63,13 +68,13 @@ import bisect
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from infinity.client.device import DeviceCopier
-from infinity.errors import InvalidRequestError, LeaseError
+from infinity.errors import InfinityError, InvalidRequestError, LeaseError, TierFullError
 from infinity.io.native import native
 from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
 from infinity.torch.distributed import NodeRanks, node_ranks
@@ -138,6 +143,8 @@ class _Param:
     step: Any = None  # the optimizer step still updating it in the daemon (a PendingAdamStep)
     read_name: str = ""  # what the module computes with: `name`, or the optimizer's second copy
     quantized: QuantizedWeight | None = None  # computes with this copy, dequantized, instead
+    micro_batches: int = 0  # gradients stored since the last zero_grad (accumulated ones too)
+    guess: Any = None  # the optimizer's speculative step over the stored gradient, unanswered
 
     def __post_init__(self) -> None:
         self.read_name = self.read_name or self.name
@@ -215,7 +222,16 @@ class _Unit:
         if self.state.device_params is not None:
             lease = self.state.device_params.lease(self.names)  # released as a store lease is
         else:
-            lease = self.state.client.get_many(self.names, namespace=self.state.config.namespace)
+            try:
+                lease = self.state.client.get_many(self.names,
+                                                   namespace=self.state.config.namespace)
+            except TierFullError:
+                # The daemon's work for this trainer (the optimizer's guesses, a step's last
+                # sub-groups) may hold the tier for a moment: wait for it, then ask once more.
+                if not self.state.settle_daemon_work():
+                    raise
+                lease = self.state.client.get_many(self.names,
+                                                   namespace=self.state.config.namespace)
         self.lease = lease
         views = iter(lease.tensors)
         for entry in self.entries:
@@ -274,6 +290,10 @@ class OffloadState:
         # Set by `offload` for a rank of a torch.distributed job (see `offload`'s process_group).
         self.ranks: NodeRanks | None = None
         self.batch_limit_bytes = 1  # the most bytes `offload` and `zero_grad` put in one batch
+        # Called with each gradient once it is stored, and at the end of each backward (the
+        # optimizer's speculative step: `infinity.torch.optim`).
+        self.gradient_listeners: list[Callable[["OffloadState", _Param], None]] = []
+        self.backward_listeners: list[Callable[["OffloadState"], None]] = []
         self.dequantized = DequantBuffers()  # for the parameters computing with quantized copies
 
     # --- presence -------------------------------------------------------------------------
@@ -399,6 +419,8 @@ class OffloadState:
             if unit.in_backward and unit.depth == 0:
                 unit.release()
         self._settle_device()
+        for listener in self.backward_listeners:
+            listener(self)
 
     def _settle_device(self) -> None:
         if self.device_params is not None:
@@ -428,10 +450,14 @@ class OffloadState:
             self._fresh_grads.discard(entry.grad_name)
             self._record_grad_stats(entry, grad)
         else:
+            self.settle_guess(entry)  # its shared lease would refuse the exclusive one
             with self.client.get(entry.grad_name, namespace=namespace, exclusive=True) as stored:
                 stored.add_(grad)
                 self._record_grad_stats(entry, stored)  # the sum, while the lease holds it
         param.grad = None  # the gradient lives in the store now, not in this process
+        entry.micro_batches += 1
+        for listener in self.gradient_listeners:
+            listener(self, entry)
         for unit in entry.units:
             if unit.in_backward:
                 unit.grads_left -= 1
@@ -513,6 +539,27 @@ class OffloadState:
                 if self.device_params is not None:
                     self.device_params.let_go([other.read_name for other in done])
 
+    def settle_daemon_work(self) -> bool:
+        """Wait for every guess and step the optimizer has running in the daemon over this
+        module's parameters; False if there were none."""
+        waited = bool(self._steps_pending)
+        self.settle_steps()
+        for entry in self.params:
+            if entry.guess is not None:
+                waited = True
+                self.settle_guess(entry)
+        return waited
+
+    def settle_guess(self, entry: _Param) -> None:
+        """Wait for the optimizer's speculative step over `entry`'s stored gradient (its
+        outcome does not matter here: a wrong or failed guess is computed again by the step)."""
+        guess, entry.guess = entry.guess, None
+        if guess is not None:
+            try:
+                guess.result()
+            except InfinityError:
+                pass
+
     def read_from(self, names: dict[str, str]) -> None:
         """Compute with other stored copies of some parameters from their next use on (stored
         name -> copy's name; the optimizer's delayed update alternates two copies)."""
@@ -545,6 +592,8 @@ class OffloadState:
             self.ranks.node_barrier()
         self._fresh_grads = {entry.grad_name for entry in self.params}
         self._grad_stats.clear()
+        for entry in self.params:
+            entry.micro_batches = 0
 
     def grad_stats(self, param: nn.Parameter) -> GradStats | None:
         """The statistics the gradient hook recorded of `param`'s stored gradient since the

@@ -33,6 +33,11 @@ not read at all.
 The arithmetic is the whole-item kernel's, element by element (the kernel is elementwise), so
 the result is bit for bit that of a whole-item step. Loop thread only: the job yields futures of
 the engine, the task pool and the tiers.
+
+A speculative step (`OptimizerService`, during the trainer's backward) runs the same pipeline
+with `publish=False`: the finished extents are returned as a `Prepared` instead of published,
+the old versions untouched, and the step that follows either installs them (`install`: the same
+publish, later) or frees them (`discard`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ CHUNK_ELEMENTS = 1 << 18  # a thread's share of one piece's kernel
 
 class PutBack(Exception):
     """The tier is full of other items' staging: the item starts again when one is done."""
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A step's results written to fresh extents and not published: per written version's
+    index, its finished layout."""
+
+    layouts: dict[int, TensorLayout]
+    sync_failures_before: int
 
 
 @dataclass(eq=False)
@@ -125,8 +139,10 @@ class PieceStepper:
 
     def run(self, plan: PiecePlan, versions: list[Version], group: wire.AdamGroup, step: int, *,
             others_running: Callable[[], bool], delay: Callable[[], Future[None] | None],
-            stopping: Callable[[], InfinityError | None]) -> Job[None]:
-        """The step of one leased item in pieces, committed at its end. Raises PutBack when the
+            stopping: Callable[[], InfinityError | None],
+            publish: bool = True) -> Job[Prepared | None]:
+        """The step of one leased item in pieces, committed at its end (`publish=False`: its
+        results returned, unpublished, for `install` or `discard`). Raises PutBack when the
         tier is full of other items' staging (`others_running()`), nothing changed; `delay` is
         waited for before each piece's kernel (a debug setting; None: no wait); `stopping`
         returns the error to end with when the daemon stops."""
@@ -165,8 +181,13 @@ class PieceStepper:
                     raise
                 yield stage
                 read, computed, written = read + fetch, computed + compute, written + write
-            self._commit(plan, versions)
             self.items += 1
+            if not publish:
+                layouts = {i: finished_layout(plan.layouts[i], plan.crcs[i]) for i in plan.written}
+                plan.layouts = {}  # theirs now: `_give_back` leaves them
+                return Prepared(layouts, plan.sync_failures_before)
+            self._commit(plan, versions)
+            return None
         finally:
             self._give_back(plan)
 
@@ -313,6 +334,22 @@ class PieceStepper:
             if not version.current:
                 continue  # its extents are freed with the rest
             layout = finished_layout(plan.layouts.pop(i), plan.crcs[i])
-            copy = DiskCopy(layout, sync_failures_before=plan.sync_failures_before)
-            self.catalog.install(version.key, version.dtype, version.shape, version.nbytes,
-                                 cpu=None, dirty=False, nvme=copy)
+            self._install(version, layout, plan.sync_failures_before)
+
+    def install(self, prepared: Prepared, versions: list[Version]) -> None:
+        """Publish a speculative step's results over `versions` (each still current: the
+        caller checked), in one turn of the loop."""
+        layouts, prepared.layouts = prepared.layouts, {}
+        for i, layout in layouts.items():
+            self._install(versions[i], layout, prepared.sync_failures_before)
+
+    def discard(self, prepared: Prepared) -> None:
+        """Free a speculative step's extents: its results are not wanted."""
+        layouts, prepared.layouts = prepared.layouts, {}
+        for layout in layouts.values():
+            self.tiers.free_disk(layout)
+
+    def _install(self, version: Version, layout: TensorLayout, sync_failures_before: int) -> None:
+        copy = DiskCopy(layout, sync_failures_before=sync_failures_before)
+        self.catalog.install(version.key, version.dtype, version.shape, version.nbytes,
+                             cpu=None, dirty=False, nvme=copy)

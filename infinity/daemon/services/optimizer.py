@@ -52,6 +52,20 @@ parameter's size. The results are bit for bit the whole-item step's (the kernel 
 An item that does not fit but is all resident already is stepped whole, in place (no memory to
 save, no I/O to do).
 
+A *speculative* step (`wire.AdamStep.speculative`) is a trainer's guess of its coming step, sent
+during backward as each sub-group's gradients are final, so the step's I/O and arithmetic
+overlap backward instead of the next forward. Its items run the pieces pipeline under shared
+leases with nothing published (`PieceStepper.run(publish=False)`): the results wait on fresh
+extents in `speculations`, one per (session, namespace, parameter), a newer guess replacing an
+older one. When the real step's item for that parameter leases its tensors, the guess is
+installed instead of computing if it was made from the same tensors, unchanged since (the same
+versions, and no exclusive lease granted on any of them in between: `Version.edits`), with the
+same hyperparameters, gradient scale and step number; otherwise it is freed and the item
+computed as usual. The check makes a wrong guess (a clipped gradient, another micro-batch
+added, a changed learning rate) cost only its I/O, never a different result; the results are
+bit for bit the step's (the same kernel over the same bytes). Guesses of a session that ends
+are freed.
+
 `daemon.debug_step_delay_s` (a debug setting, 0 by default) makes each item (and each piece of an
 item stepped in pieces) wait that long after the one before it, so a test can kill a trainer, or
 the daemon, in the middle of the daemon's step.
@@ -71,7 +85,8 @@ from infinity.daemon.catalog import Catalog, Version
 from infinity.daemon.jobs import Job, start_job
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
-from infinity.daemon.services.adam_pieces import PiecePlan, PieceStepper, PutBack, plan_pieces
+from infinity.daemon.services.adam_pieces import (GRAD, Prepared, PiecePlan, PieceStepper,
+                                                  PutBack, plan_pieces)
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tasks import LoopTaskPool
@@ -97,6 +112,19 @@ class _Item:
     error: InfinityError | None = None
     nbytes: int = 0  # what it holds of the window: its tensors, or its staging when in pieces
     plan: PiecePlan | None = None  # stepped in pieces (larger than the window)
+    guess: "_Speculation | None" = None  # a speculative step's results it installs instead
+    unguessed: bool = False  # speculative, not guessed (all in the CPU tier, or a small window)
+
+
+@dataclass(eq=False)
+class _Speculation:
+    """A speculative step's results for one parameter, not published."""
+
+    item: wire.AdamItem
+    group: wire.AdamGroup
+    versions: list[Version]
+    edits: list[int]  # each version's `edits` when the guess leased it
+    prepared: Prepared
 
 
 @dataclass(eq=False)
@@ -126,6 +154,7 @@ class _Job:
     items: list[_Item]
     deferred: Deferred
     step: _Step
+    speculative: bool = False
     next: int = 0
     queued: bool = False  # in the service's queue: it has items to start
     retry: list[_Item] = field(default_factory=list)  # put back: the tier was full of our own
@@ -164,6 +193,11 @@ class OptimizerService:
         self.elements = 0       # parameters stepped
         self.requeued = 0       # items started again after the tier filled up
         self.pieces = PieceStepper(catalog, tiers, tasks)  # items larger than the window
+        # Speculative steps' results by (session id, namespace, parameter name).
+        self.speculations: dict[tuple[int, str, str], _Speculation] = {}
+        self.guessed = 0        # items a speculative step prepared
+        self.guesses_used = 0   # installed by the step that followed
+        self.guesses_wasted = 0  # freed: something differed, or replaced by a newer guess
 
     def routes(self) -> Routes:
         return {wire.AdamStep: self.adam_step}
@@ -180,6 +214,9 @@ class OptimizerService:
                 "pieces_stepped": self.pieces.pieces,
                 "piece_bytes_read": self.pieces.bytes_read,
                 "piece_bytes_written": self.pieces.bytes_written,
+                "speculated_items": self.guessed, "speculations_used": self.guesses_used,
+                "speculations_wasted": self.guesses_wasted,
+                "speculations_held": len(self.speculations),
                 "num_threads": self.tasks.pool.num_threads}
 
     # --- a request -----------------------------------------------------------------------
@@ -207,7 +244,8 @@ class OptimizerService:
         deferred = Deferred(results, len(message.items) + 1 + last)
         job = _Job(session, message.namespace,
                    [_Item(i, item, message.groups[item.group])
-                    for i, item in enumerate(message.items)], deferred, step)
+                    for i, item in enumerate(message.items)], deferred, step,
+                   speculative=message.speculative)
         step.jobs[message.part] = job
         if message.record_name:
             step.record = (message.namespace, message.record_name, message.record)
@@ -224,7 +262,13 @@ class OptimizerService:
         dropped = [key for key in self.assembling if key[0] == session.id]
         for key in dropped:
             self.assembling.pop(key).jobs.clear()  # no cycle left behind (see `_committed`)
-        return f"{len(dropped)} optimizer step(s) not all sent, dropped" if dropped else None
+        guesses = [guess for guess in self.speculations if guess[0] == session.id]
+        for guess in guesses:
+            self._waste(self.speculations.pop(guess))
+        said = [f"{len(dropped)} optimizer step(s) not all sent, dropped"] if dropped else []
+        if guesses:
+            said.append(f"{len(guesses)} speculative step result(s) freed")
+        return "; ".join(said) or None
 
     def _begin_step(self, step: _Step) -> None:
         """Every part is here: queue the step's items in the order of its parts."""
@@ -361,12 +405,14 @@ class OptimizerService:
                   ).add_done_callback(ended)
 
     def _lease(self, job: _Job, item: _Item) -> None:
-        """Lease the tensors as the daemon: exclusive what is written, shared the gradient."""
+        """Lease the tensors as the daemon: exclusive what is written, shared the gradient (a
+        speculative step: all shared, as it writes none of them)."""
         ns, names = job.namespace, item.item
-        wanted = [(ns, names.param, True), (ns, names.grad, False), (ns, names.exp_avg, True),
-                  (ns, names.exp_avg_sq, True)]
+        writes = not job.speculative
+        wanted = [(ns, names.param, writes), (ns, names.grad, False), (ns, names.exp_avg, writes),
+                  (ns, names.exp_avg_sq, writes)]
         if names.master:
-            wanted.append((ns, names.master, True))
+            wanted.append((ns, names.master, writes))
         item.lease_id = self.catalog.internal_lease_id()
         _, outcomes = self.catalog.acquire(DAEMON_CLIENT_ID, item.lease_id, wanted)
         item.versions = [o for o in outcomes if isinstance(o, Version)]
@@ -374,6 +420,33 @@ class OptimizerService:
             if isinstance(outcome, InfinityError):
                 raise outcome
         self._check(item)
+        if job.speculative:
+            if self.tiers.nvme is None:
+                raise InvalidRequestError(
+                    "a speculative adam_step needs an NVMe tier (its results wait there until "
+                    "the step); this daemon has none, so send plain steps only")
+            if all(v.cpu is not None or not v.nbytes for v in item.versions):
+                # The step will run in place in memory, with no I/O to overlap: a guess would
+                # only move the results to NVMe.
+                item.unguessed = True
+                return
+            # Always in pieces: its results go to fresh extents, the versions stay as they are.
+            plan = plan_pieces(item.versions, _numel(item.versions[0]), self.window_bytes)
+            if plan.staging_bytes > self.window_bytes:
+                # Even one set of one block of each tensor is more than the window (a small
+                # tier): a guess would take the trainer's room; the step computes it.
+                item.unguessed = True
+                return
+            item.plan = plan
+            item.nbytes = plan.staging_bytes
+            self.in_flight_bytes += item.nbytes
+            return
+        guess = self.speculations.pop((job.session.id, ns, names.param), None)
+        if guess is not None:
+            if self._guessed_right(guess, item):
+                item.guess = guess  # installed by `_step_one`: nothing to hold of the window
+                return
+            self._waste(guess)
         item.nbytes = sum(v.nbytes for v in item.versions)
         # Only where the whole item could not sit in half the tier: below that the whole-item
         # path (loads put back while the tier is full) served before, and the pieces' staging
@@ -390,15 +463,23 @@ class OptimizerService:
         """The rest of one parameter's step once leased, its stages in order: load, compute.
         Returns "done", or "put back" when the tier was too full of this step's other items to
         load it now."""
+        if item.guess is not None:
+            self.pieces.install(item.guess.prepared, item.versions)
+            self.guesses_used += 1
+            return "done"
+        if item.unguessed:
+            return "done"
         if item.plan is not None:
             try:
-                yield from self.pieces.run(
+                prepared = yield from self.pieces.run(
                     item.plan, item.versions, item.group, item.item.step,
                     others_running=lambda: self.running > 1,
                     delay=lambda: self._debug_delay() if self.item_delay_s else None,
-                    stopping=self._stopping)
+                    stopping=self._stopping, publish=not job.speculative)
             except PutBack:
                 return "put back"
+            if prepared is not None:
+                self._keep_guess(job, item, prepared)
             return "done"
         # Bring what is only on NVMe into the CPU tier.
         loads = [self._resident(v) for v in item.versions if v.cpu is None and v.nbytes]
@@ -435,6 +516,38 @@ class OptimizerService:
                 chunk_elements=CHUNK_ELEMENTS)
         return "done"
 
+    # --- speculative steps ------------------------------------------------------------------
+
+    def _keep_guess(self, job: _Job, item: _Item, prepared: Prepared) -> None:
+        key = (job.session.id, job.namespace, item.item.param)
+        older = self.speculations.pop(key, None)
+        if older is not None:
+            self._waste(older)
+        if not job.session.alive:
+            self.pieces.discard(prepared)  # no step of this session can install it
+            return
+        self.speculations[key] = _Speculation(item.item, item.group, list(item.versions),
+                                              [v.edits for v in item.versions], prepared)
+        self.guessed += 1
+
+    def _guessed_right(self, guess: _Speculation, item: _Item) -> bool:
+        """Whether `guess` holds this item's results: the same names, hyperparameters and step
+        number, made from the versions just leased, none of them written since. The item's
+        own exclusive leases (all but the gradient's) each added one to `edits` just now."""
+        if guess.item != item.item or guess.group != item.group:
+            return False
+        if len(guess.versions) != len(item.versions):
+            return False
+        for index, (then, now) in enumerate(zip(guess.versions, item.versions)):
+            own = 0 if index == GRAD else 1
+            if then is not now or not now.current or now.edits != guess.edits[index] + own:
+                return False
+        return True
+
+    def _waste(self, guess: _Speculation) -> None:
+        self.pieces.discard(guess.prepared)
+        self.guesses_wasted += 1
+
     def _stopping(self) -> InfinityError | None:
         if not self.closing:
             return None
@@ -464,7 +577,9 @@ class OptimizerService:
             self._put_back(job, item)
             self._start_more()
             return
-        if error is None:
+        if error is None and job.speculative:
+            pass  # prepared, not stepped: counted when a step installs it
+        elif error is None:
             numel = _numel(item.versions[0])
             self.steps += 1
             self.elements += numel

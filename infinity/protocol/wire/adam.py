@@ -90,7 +90,14 @@ class AdamStep:
     it applies every one, whether or not the trainer is still there. `record` (at most
     MAX_BIN_BYTES, on the last part only) is written at the start of the uint8 tensor
     `record_name` in `namespace` after every item of the step and of the steps received before
-    it that touch its namespaces is done, and before the last part's reply."""
+    it that touch its namespaces is done, and before the last part's reply.
+
+    `speculative` (a step of one part, no record): the trainer's guess of a coming step, sent
+    during backward as gradients are final. The daemon computes each item's results into fresh
+    NVMe extents under shared leases and publishes nothing; a later plain step's item over the
+    same tensors, with the same hyperparameters and step number, installs them instead of
+    computing, if none of the item's tensors changed since (else they are freed and the item is
+    computed as usual). So a guess never changes what a step computes, only when."""
 
     OP: ClassVar[str] = "adam_step"
     namespace: str
@@ -101,11 +108,13 @@ class AdamStep:
     parts: int = 1
     record_name: str = ""
     record: bytes = b""
+    speculative: bool = False
 
     def body(self) -> list[Any]:
         return [self.namespace, [g.to_wire() for g in self.groups],
                 [i.to_wire() for i in self.items],
-                [self.step_id, self.part, self.parts, self.record_name, self.record]]
+                [self.step_id, self.part, self.parts, self.record_name, self.record,
+                 self.speculative]]
 
     @classmethod
     def from_body(cls, body: Sequence[Any]) -> AdamStep:
@@ -123,7 +132,8 @@ class AdamStep:
                 raise ProtocolError(f"malformed adam_step: item {item.param!r} names group "
                                     f"{item.group} of {len(decoded_groups)}; send every group "
                                     f"the items name, in the order they index them")
-        step_id, part, parts, record_name, record = _list(step, "adam_step's step", 5)
+        step_id, part, parts, record_name, record, speculative = _list(
+            step, "adam_step's step", 6)
         step_id = _int(step_id, "step_id")
         parts = _int(parts, "parts", minimum=1, maximum=MAX_ITEMS)
         part = _int(part, "part", maximum=parts - 1)
@@ -135,5 +145,9 @@ class AdamStep:
             if part != parts - 1 or len(record) > MAX_BIN_BYTES:
                 raise ProtocolError(f"malformed adam_step: a record (at most {MAX_BIN_BYTES} "
                                     f"bytes) rides on the last part of a step")
+        speculative = _bool(speculative, "speculative")
+        if speculative and (parts > 1 or step_id or record_name):
+            raise ProtocolError("malformed adam_step: a speculative step is one part, with no "
+                                "step_id and no record")
         return cls(namespace, decoded_groups, decoded_items, step_id, part, parts, record_name,
-                   record)
+                   record, speculative)

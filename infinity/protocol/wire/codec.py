@@ -16,14 +16,14 @@ import msgpack
 
 from infinity.errors import ProtocolError
 
-PROTOCOL_VERSION = 9  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
+PROTOCOL_VERSION = 10  # 2: placements carry `edits`; ops get_ahead and upcoming; 3: commit_renew;
 # 4: get_ahead answers nil for what is not in the CPU tier; 5: `list` is paged (ListItem.after);
 # 6: op detach; 7: ops namespace (records with a mode, an owner and a quota), multi
 # (several requests in one message, answered in one reply) and adam_step (the optimizer's step);
 # 8: adam_step's steps of several parts, applied all or none, and their records; 9: access
 # control: hello carries the daemon's secret, namespaces may be private (a grant token, the
 # namespace op's `grant`), and namespace info says so and names the owner's uid; op verify;
-# op device_report (a client's GPU tier, for the telemetry)
+# op device_report (a client's GPU tier, for the telemetry); 10: adam_step's `speculative`
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 
