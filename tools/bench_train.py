@@ -22,8 +22,10 @@ its memory and its /proc/<pid>/io are its own and all of it ends with it:
   whose CPU tier is larger than the training state (everything stays in memory);
 - `infinity_nvme`: the same with the state on NVMe behind a CPU tier of a quarter of the training
   state (parameters, gradients and both moments: 16 bytes per fp32 parameter, whose master
-  weights are the parameters themselves), raised where one parameter's step does not fit in it
-  (`--nvme-cpu-budget`, see `nvme_cpu_budget`; the JSON says which and why);
+  weights are the parameters themselves; `--nvme-cpu-budget`, see `nvme_cpu_budget`; the JSON
+  says which and why);
+- `infinity_nvme_noguess` (not in the default set): the same with the optimizer's guesses off
+  (`AdamW(speculate=False)`), for an interleaved A/B of the step guessed during backward;
 - `deepspeed_nvme`: DeepSpeed ZeRO-3 with `offload_param` and `offload_optimizer` on NVMe, in the
   peers' venv (tools/peers/deepspeed_train_worker.py; set up by tools/peers/setup_peers.sh),
   "skipped" with the reason where that venv is missing.
@@ -37,8 +39,9 @@ without gradients), so an optimizer step that returns before its work is done is
 and leaves nothing running into the next subject's turn.
 
 Reported per model and subject: the median step time, the losses of the first timed steps (the
-same model, weights and data give the same losses), and the bytes moved to and from the disk per
-step: the block I/O of the daemon's process (Infinity) or of DeepSpeed's worker, from
+same model, weights and data give the same losses), the CPU time a step took (the worker's
+process and, for Infinity, its daemon's; `cpu_bound_s` is that over the machine's cores: no
+step can be shorter), and the bytes moved to and from the disk per step: the block I/O of the daemon's process (Infinity) or of DeepSpeed's worker, from
 /proc/<pid>/io, and for Infinity also the daemon's own tier counters (`client.stats()`). Then the
 ratios of the medians to plain PyTorch and to DeepSpeed, the I/O bound of a step (its bytes over
 the engine's bandwidth: read bytes / read GB/s + written bytes / overwrite GB/s) and the issue's
@@ -68,7 +71,8 @@ sys.path.insert(0, str(TOOLS))
 from peers import train_common, worker_protocol  # noqa: E402
 from peers.worker_protocol import Worker  # noqa: E402
 
-CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme")
+CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme", "infinity_nvme_noguess")
+NVME_CONFIGS = ("infinity_nvme", "infinity_nvme_noguess")
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 DS_WORKER = TOOLS / "peers" / "deepspeed_train_worker.py"
 SEED = 0
@@ -129,10 +133,12 @@ def daemon_settings(config: str, folder: str, state_bytes: int,
 
 def daemon_counters(client: Any, daemon_pid: int) -> dict[str, int]:
     """The disk bytes a daemon moved so far: its process's block I/O (/proc/<pid>/io) and its
-    NVMe tier's own counters (reloads and streamed reads; write-backs and streamed writes)."""
+    NVMe tier's own counters (reloads and streamed reads; write-backs and streamed writes); and
+    the CPU time this worker's process and the daemon's used so far."""
     io = worker_protocol.proc_io_bytes(daemon_pid)
     tiers = client.stats().get("counters", {}).get("tiers", {})
-    return {**io,
+    return {**io, "cpu_ms": worker_protocol.proc_cpu_ms(),
+            "daemon_cpu_ms": worker_protocol.proc_cpu_ms(daemon_pid),
             "tier_read_bytes": tiers.get("reload_bytes", 0) + tiers.get("stream_read_bytes", 0),
             "tier_write_bytes": (tiers.get("writeback_bytes", 0)
                                  + tiers.get("stream_write_bytes", 0))}
@@ -152,7 +158,7 @@ class TrainWorker:
         self.config = config
         self.train_step: Callable[[int], float] | None = None
         self.settle: Callable[[], None] = lambda: None
-        self.io_counters: Callable[[], dict[str, int]] = worker_protocol.proc_io_bytes
+        self.io_counters: Callable[[], dict[str, int]] = worker_protocol.proc_counters
         self.client: Any = None
         self.daemon: Any = None
 
@@ -173,19 +179,20 @@ class TrainWorker:
             from bench_launch import start_daemon, typed_settings
 
             largest = max(p.numel() * p.element_size() for p in model.parameters())
-            nvme_budget, why = nvme_cpu_budget(request.get("nvme_cpu_budget", "auto"),
+            nvme_budget, why = nvme_cpu_budget(request.get("nvme_cpu_budget", "quarter"),
                                                state_bytes, largest)
             settings = daemon_settings(self.config, request["folder"], state_bytes, nvme_budget)
             settings.update(typed_settings(request.get("daemon_settings", [])))
             answer["cpu_segment_bytes"] = settings["cpu.segment_bytes"]
-            if self.config == "infinity_nvme":
+            if self.config in NVME_CONFIGS:
                 answer["cpu_budget_why"] = why
                 answer["cpu_budget_over_state"] = round(settings["cpu.budget_bytes"]
                                                         / state_bytes, 3)
             self.daemon, daemon_config = start_daemon(request["folder"], settings)
             self.client = infinity.connect(config=daemon_config, name=f"bench-train-{self.config}")
             model = itorch.offload(model, self.client, namespace="bench-train")
-            optimizer = itorch.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            optimizer = itorch.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                     speculate=self.config != "infinity_nvme_noguess")
             self.io_counters = self.daemon_counters
             answer["cpu_budget_bytes"] = settings["cpu.budget_bytes"]
             answer["daemon_pid"] = self.daemon.pid
@@ -314,7 +321,7 @@ def run_model(name: str, model: dict[str, Any], configs: list[str], args: argpar
                 request |= {"swap_dir": os.path.join(folder, "swap"),
                             "buffer_count": args.ds_buffer_count, "lr": LR,
                             "weight_decay": WEIGHT_DECAY}
-            if config == "infinity_nvme":
+            if config in NVME_CONFIGS:
                 request["nvme_cpu_budget"] = args.nvme_cpu_budget
             if config.startswith("infinity"):
                 request["daemon_settings"] = args.set
@@ -390,6 +397,11 @@ def summarize(result: dict[str, Any], read_gbps: float, write_gbps: float) -> No
         subject["losses"] = [round(x, 5) for x in subject["losses"]]
         subject["io_bound_s"] = round(io_bound_s(per_step["read_bytes"], per_step["write_bytes"],
                                                  read_gbps, write_gbps), 4)
+        # The CPU a step took, the trainer's process and its daemon's together, and what that
+        # alone needs of the machine's cores: a step cannot be shorter (all cores busy).
+        cpu_s = (per_step.get("cpu_ms", 0) + per_step.get("daemon_cpu_ms", 0)) / 1000
+        subject["cpu_s_per_step"] = round(cpu_s, 3)
+        subject["cpu_bound_s"] = round(cpu_s / (os.cpu_count() or 1), 4)
         del subject["io"]
     ratios: dict[str, Any] = {}
     for peer in ("plain", "deepspeed_nvme"):
@@ -430,8 +442,9 @@ def remove_run_folder(base: str, *, failed: bool, keep: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=CONFIGS[:3], help=argparse.SUPPRESS)
-    parser.add_argument("--configs", default=",".join(CONFIGS),
+    parser.add_argument("--worker", choices=[c for c in CONFIGS if c != "deepspeed_nvme"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(CONFIGS[:4]),
                         help=f"subjects, comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--models", default="small,large", help="small, large or both")
     parser.add_argument("--rounds", type=int, default=2)
@@ -442,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bytes the engine reads and overwrites per round (its bandwidth)")
     parser.add_argument("--ds-buffer-count", type=int, default=56,
                         help="DeepSpeed offload_param buffer_count (fewer failed for GPT-2 124M)")
-    parser.add_argument("--nvme-cpu-budget", default="auto",
+    parser.add_argument("--nvme-cpu-budget", default="quarter",
                         help="infinity_nvme's CPU tier: quarter (of the training state), auto "
-                             "(the quarter, raised where one parameter's step needs more), or bytes")
+                             "(before session 16: raised where one parameter's step needed its "
+                             "four tensors resident), or bytes")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="a setting of both Infinity daemons, e.g. cpu.segment_bytes=155189248 "
                              "(repeatable; applied over the benchmark's own)")

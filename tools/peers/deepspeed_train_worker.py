@@ -113,7 +113,7 @@ def init(request: Dict[str, Any]) -> Dict[str, Any]:
 def steps(request: Dict[str, Any]) -> Dict[str, Any]:
     result = train_common.run_steps(_state["train_step"], first_step=int(request["first_step"]),
                                     count=int(request["count"]),
-                                    io_counters=worker_protocol.proc_io_bytes)
+                                    io_counters=worker_protocol.proc_counters)
     result["swap_dir_bytes"] = _folder_bytes(_state["swap_dir"])  # what DeepSpeed keeps on disk
     return result
 

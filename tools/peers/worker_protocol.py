@@ -43,6 +43,20 @@ def proc_io_bytes(pid: int | str = "self") -> Dict[str, int]:
     return {"read_bytes": fields.get("read_bytes", 0), "write_bytes": fields.get("write_bytes", 0)}
 
 
+def proc_cpu_ms(pid: int | str = "self") -> int:
+    """CPU time (user + system, all threads) a process used so far, in milliseconds, from
+    /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: the stat line's 14th and 15th
+    return ticks * 1000 // os.sysconf("SC_CLK_TCK")
+
+
+def proc_counters(pid: int | str = "self") -> Dict[str, int]:
+    """`proc_io_bytes` and the CPU time (`cpu_ms`) of a process: a training worker's counters."""
+    return {**proc_io_bytes(pid), "cpu_ms": proc_cpu_ms(pid)}
+
+
 def serve(handlers: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]]) -> int:
     """Answer requests from stdin until "quit" or its end; returns the exit status."""
     out = os.fdopen(os.dup(1), "w")
