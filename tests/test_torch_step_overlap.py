@@ -157,6 +157,27 @@ def test_the_delayed_update_gives_the_losses_of_zero_offloads_schedule(client: A
     assert losses[3:] != pytest.approx(plain[3:], rel=1e-3)  # then the update lags one step
 
 
+def test_the_delayed_update_steps_each_backwards_own_gradients_while_the_daemon_lags(
+        daemon_factory: Any) -> None:
+    """Each item of a step waits 20 ms in the daemon (a debug setting) and most wait unleased
+    in its queue, so the next backward's gradients are ready before the step has read the
+    last ones: each step must still apply
+    the gradients of its own backward (the trainer waits for the step over a parameter before
+    it replaces that parameter's stored gradient)."""
+    # A 2 MiB tier: a 512 KiB step window, so many items of a step wait unleased in its queue.
+    daemon = daemon_factory(**{"daemon.debug_step_delay_s": 0.02, "cpu.budget_bytes": 2 << 20,
+                               "cpu.segment_bytes": 2 << 20})
+    client = daemon.connect("lagging")
+    try:
+        steps = 5
+        model = itorch.offload(gpt2(), client, namespace="lagging")
+        losses = run_steps(model, itorch.AdamW(model.parameters(), lr=3e-3, delay_update=True),
+                           steps)
+    finally:
+        client.close()
+    assert losses == pytest.approx(delayed_reference(steps), rel=RTOL)
+
+
 def test_after_synchronize_the_delayed_update_computes_with_the_last_steps_parameters(
         client: Any) -> None:
     model = itorch.offload(gpt2(), client, namespace="published")

@@ -145,6 +145,7 @@ class _Param:
     quantized: QuantizedWeight | None = None  # computes with this copy, dequantized, instead
     micro_batches: int = 0  # gradients stored since the last zero_grad (accumulated ones too)
     guess: Any = None  # the optimizer's speculative step over the stored gradient, unanswered
+    delayed: Any = None  # the delayed update's step that reads the stored gradient, unanswered
 
     def __post_init__(self) -> None:
         self.read_name = self.read_name or self.name
@@ -294,6 +295,9 @@ class OffloadState:
         # optimizer's speculative step: `infinity.torch.optim`).
         self.gradient_listeners: list[Callable[["OffloadState", _Param], None]] = []
         self.backward_listeners: list[Callable[["OffloadState"], None]] = []
+        # Wait for other work of the optimizer in the daemon (its delayed update's step); each
+        # says whether there was any (`settle_daemon_work`).
+        self.daemon_work_waiters: list[Callable[[], bool]] = []
         self.dequantized = DequantBuffers()  # for the parameters computing with quantized copies
 
     # --- presence -------------------------------------------------------------------------
@@ -442,11 +446,17 @@ class OffloadState:
         namespace = self.config.namespace
         grad = self._gradient_for_store(grad)
         self.settle_steps((entry,))  # a step still reading the stored gradient
+        self._settle_delayed(entry)
         if self.ranks is not None:
             self._add_to_node_gradient(entry, grad)
             self._fresh_grads.discard(entry.grad_name)
         elif entry.grad_name in self._fresh_grads:
-            self.client.put(entry.grad_name, grad, namespace=namespace)
+            try:
+                self.client.put(entry.grad_name, grad, namespace=namespace)
+            except TierFullError:
+                if not self.settle_daemon_work():  # as a unit's lease does (`_Unit.acquire`)
+                    raise
+                self.client.put(entry.grad_name, grad, namespace=namespace)
             self._fresh_grads.discard(entry.grad_name)
             self._record_grad_stats(entry, grad)
         else:
@@ -541,14 +551,27 @@ class OffloadState:
 
     def settle_daemon_work(self) -> bool:
         """Wait for every guess and step the optimizer has running in the daemon over this
-        module's parameters; False if there were none."""
+        module's parameters (the delayed update's too); False if there were none."""
         waited = bool(self._steps_pending)
         self.settle_steps()
         for entry in self.params:
             if entry.guess is not None:
                 waited = True
                 self.settle_guess(entry)
+        for wait in self.daemon_work_waiters:
+            waited = wait() or waited
         return waited
+
+    def _settle_delayed(self, entry: _Param) -> None:
+        """Wait until the delayed update's step over `entry` is done: until then the daemon may
+        not have leased the stored gradient yet, and a new one put now would be stepped in its
+        place. Its error is left for `synchronize()` / the next `step()` to raise."""
+        pending, entry.delayed = entry.delayed, None
+        if pending is not None:
+            try:
+                pending.result()
+            except InfinityError:
+                pass
 
     def settle_guess(self, entry: _Param) -> None:
         """Wait for the optimizer's speculative step over `entry`'s stored gradient (its

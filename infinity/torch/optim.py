@@ -44,7 +44,10 @@ parameters from before it, so the step overlaps the whole next forward and backw
 forward then uses parameters one step older than the plain schedule's. Each parameter gets an
 fp32 master copy and a second copy of itself (`<name>.next`): the step updates the master and
 writes one copy while the module computes with the other, and `step()` (or `synchronize()`)
-switches the module to the copy the last step wrote once that step is done.
+switches the module to the copy the last step wrote once that step is done. A parameter's next
+gradient waits for the step over it (`OffloadState._settle_delayed`): until then the daemon may
+not have leased the stored gradient yet (items beyond its window wait unleased), and a new one
+would be stepped in its place.
 
 `param_groups` are read at every step (lr, betas, eps, weight_decay), so
 `torch.optim.lr_scheduler` schedulers work; `zero_grad()` makes the next backward replace the
@@ -197,9 +200,13 @@ class _StoreAdam(torch.optim.Optimizer):
             self._guessing = False
         else:
             self._find_record()
-        if self._guessing:
-            for state in {id(s): s for s in self._owners.values()}.values():
+        for state in {id(s): s for s in self._owners.values()}.values():
+            if self._guessing:
                 self._listen(state)
+            if delay_update:
+                # A unit that finds the CPU tier full waits for the step still running (its
+                # staging and leases hold the tier) before it asks again.
+                state.daemon_work_waiters.append(self._wait_for_delayed)
         _let_grad_scalers_see_stored_gradients()
 
     # --- the parameters' state in the store -----------------------------------------------
@@ -296,8 +303,11 @@ class _StoreAdam(torch.optim.Optimizer):
             for param in self.param_groups[-1]["params"]:
                 self._adopt(param)
                 state = self._owners[id(param)]
-                if self._guessing and id(state) not in listened:
-                    self._listen(state)
+                if id(state) not in listened:
+                    if self._guessing:
+                        self._listen(state)
+                    if self._delay_update:
+                        state.daemon_work_waiters.append(self._wait_for_delayed)
                     listened.add(id(state))
             self._digest = ""
             self._take_record()  # a restarted run whose optimizer had this group added too
@@ -585,7 +595,9 @@ class _StoreAdam(torch.optim.Optimizer):
             record=record)
         for (_, batch), pending in zip(batches, pendings):
             if self._delay_update:  # the module goes on with the other copy: nothing waits
-                self._delayed.append(pending)
+                self._delayed.append(pending)  # but the next gradients (`_settle_delayed`)
+                for _, entry, _ in batch:
+                    entry.delayed = pending
                 continue
             by_state: dict[int, tuple[OffloadState, list[_Param]]] = {}
             for state, entry, _ in batch:
@@ -618,6 +630,14 @@ class _StoreAdam(torch.optim.Optimizer):
         records, self._records = self._records, []
         for record in records:
             record.result()
+
+    def _wait_for_delayed(self) -> bool:
+        """Wait for the delayed update's steps in flight, switching no copy (the module
+        computes with the ones it has until `step()` or `synchronize()`)."""
+        pending, self._delayed = self._delayed, []
+        for step in pending:
+            step.result()
+        return bool(pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward replaces the stored gradients (they left the process already)."""
