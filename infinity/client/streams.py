@@ -1,6 +1,7 @@
 """Streams: tensors of any size written from or read into a caller's tensor, in chunks.
 
-`StreamCalls` holds the Client's write_from, write_pieces and read_into. A stream opens on the daemon
+`StreamCalls` holds the Client's write_from, write_pieces, read_into and read_rows (some rows
+of a tensor, reading from NVMe only the checksum blocks that hold them). A stream opens on the daemon
 (stream_open), moves its bytes through staging slices of the CPU tier (stream_chunk requests
 kept nvme.stream_depth deep, one slot each), and closes (stream_close, committing a write).
 A small tensor, or any without an NVMe tier, goes directly through one slice.
@@ -21,6 +22,7 @@ from infinity.errors import InfinityError, InvalidRequestError
 from infinity.io import copy_into
 from infinity.protocol import wire
 from infinity.protocol.wire import ItemError
+from infinity.io.ops import CRC_BLOCK_BYTES
 
 
 # write_pieces' source of bytes: fill(piece, offset) writes the tensor's bytes
@@ -49,6 +51,40 @@ class StreamCalls(Session):
                     f"tensor {name!r} in namespace {namespace!r} has {info.nbytes} bytes but `out` "
                     f"holds {flat.numel()}; pass an output of exactly that many bytes")
             self._stream_in(info, flat)
+        except BaseException:
+            self._close_stream(info, commit=False, durable=False, quiet=True)
+            raise
+        return self._close_stream(info, commit=False, durable=False)
+
+    def read_rows(self, name: str, rows: torch.Tensor, out: torch.Tensor, *,
+                  namespace: str = "default") -> int:
+        """Copy rows of tensor `name` (its first dimension) into `out`: `out[i]` gets row
+        `rows[i]`; returns the version read. `rows` is a 1-D integer tensor (any order,
+        repeats allowed); `out` a contiguous CPU tensor of `len(rows)` rows of the tensor's
+        row size in bytes (its dtype is not checked).
+
+        A resident tensor is copied from its shared slice; one only on NVMe is read in whole
+        1 MiB checksum blocks, only those that hold a wanted row (verified, through the
+        stream's staging slices, not loading the tensor into the CPU tier): an embedding's few
+        rows per token cost a block each, not the table."""
+        wanted = rows.reshape(-1).to(torch.int64)
+        flat = byte_view(out, "out", written=True)
+        info = self._open_stream(wire.StreamOpen(namespace, name, "read"))
+        try:
+            count = len(wanted)
+            row_bytes = flat.numel() // count if count else 0
+            if count and (row_bytes * count != flat.numel() or not row_bytes
+                          or info.nbytes % row_bytes):
+                raise InvalidRequestError(
+                    f"`out` holds {flat.numel()} bytes for {count} rows, and tensor {name!r} "
+                    f"in namespace {namespace!r} has {info.nbytes}: pass an output of len(rows) "
+                    f"rows of the tensor's row size")
+            if count and (int(wanted.min()) < 0 or int(wanted.max()) * row_bytes >= info.nbytes):
+                raise InvalidRequestError(
+                    f"rows {int(wanted.min())} to {int(wanted.max())} asked of tensor {name!r} "
+                    f"in namespace {namespace!r}, which has {info.nbytes // max(1, row_bytes)}")
+            if count:
+                self._rows_in(info, wanted, row_bytes, flat.view(count, row_bytes))
         except BaseException:
             self._close_stream(info, commit=False, durable=False, quiet=True)
             raise
@@ -175,6 +211,60 @@ class StreamCalls(Session):
                 request_id, slot, offset, n = pending.popleft()
                 self._chunk_done(channel, request_id)
                 flat[offset:offset + n].copy_(slots[slot][:n])
+                issue(slot)
+        except BaseException:
+            self._drain(channel, pending)
+            raise
+
+    def _rows_in(self, info: wire.StreamInfo, rows: torch.Tensor, row_bytes: int,
+                 out: torch.Tensor) -> None:
+        """Fill `out[i]` with the bytes of row `rows[i]`: from the slice of a direct stream,
+        else chunk by chunk over the runs of blocks that hold wanted rows."""
+        if info.direct:
+            table = self._slot_views(info)[0][:info.nbytes].view(-1, row_bytes)
+            torch.index_select(table, 0, rows, out=out)
+            return
+        starts = rows * row_bytes
+        first = torch.div(starts, CRC_BLOCK_BYTES, rounding_mode="floor")
+        last = torch.div(starts + row_bytes - 1, CRC_BLOCK_BYTES, rounding_mode="floor")
+        blocks = torch.unique(torch.cat([torch.arange(int(a), int(b) + 1)
+                                         for a, b in zip(first.tolist(), last.tolist())]))
+        per_chunk = max(1, info.chunk_bytes // CRC_BLOCK_BYTES)
+        chunks: list[tuple[int, int]] = []  # (offset, nbytes): runs of wanted blocks
+        for block in blocks.tolist():
+            offset = block * CRC_BLOCK_BYTES
+            if chunks and chunks[-1][0] + chunks[-1][1] == offset and (
+                    chunks[-1][1] < per_chunk * CRC_BLOCK_BYTES):
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] + CRC_BLOCK_BYTES)
+            else:
+                chunks.append((offset, CRC_BLOCK_BYTES))
+        chunks = [(offset, min(n, info.nbytes - offset)) for offset, n in chunks]
+        ends = starts + row_bytes
+        self._check_usable()
+        channel = self._channel()
+        slots = self._slot_views(info)
+        todo = iter(chunks)
+        pending: deque[tuple[int, int, int, int]] = deque()  # (request id, slot, offset, n)
+
+        def issue(slot: int) -> None:
+            chunk = next(todo, None)
+            if chunk is not None:
+                pending.append((self._chunk(channel, info, slot, *chunk), slot, *chunk))
+
+        try:
+            for slot in range(len(slots)):
+                issue(slot)
+            while pending:
+                request_id, slot, offset, n = pending.popleft()
+                self._chunk_done(channel, request_id)
+                # Each row's bytes inside this chunk (a row may straddle two chunks).
+                inside = ((starts < offset + n) & (ends > offset)).nonzero().flatten().tolist()
+                view = slots[slot]
+                for i in inside:
+                    begin = max(int(starts[i]), offset)
+                    end = min(int(ends[i]), offset + n)
+                    at = begin - int(starts[i])
+                    out[i, at:at + end - begin].copy_(view[begin - offset:end - offset])
                 issue(slot)
         except BaseException:
             self._drain(channel, pending)

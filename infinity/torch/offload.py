@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from infinity.client.device import DeviceCopier
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, TierFullError
@@ -180,6 +181,9 @@ class _Unit:
         # The weight entry of an nn.Linear computing on the CPU from a quantized copy (set by
         # `offload`), and while its forward multiplies from the codes, they and the scales.
         self.fusable: _Param | None = None
+        # The weight of an nn.Embedding that reads only the rows it looks up (set by `offload`
+        # for inference: see `embedding_forward`); such a unit leases nothing.
+        self.by_rows: _Param | None = None
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
         # The module's own parameter slots as offload found them: a parameter replaced later
         # (module.weight = nn.Parameter(...)) would compute with values the store never saw.
@@ -214,10 +218,23 @@ class _Unit:
         assert bias is None or isinstance(bias, torch.Tensor)
         return linear(x, codes, scales, weight.form, weight.block, bias)
 
+    def embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The forward of an nn.Embedding unit that reads rows (see `by_rows`): the rows its
+        input looks up, read from the store (`client.read_rows`: from NVMe, only the checksum
+        blocks holding them), then the same lookup in that small table, bit for bit."""
+        entry = self.by_rows
+        assert entry is not None
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        table = torch.empty((len(unique), *entry.placeholder.shape[1:]),
+                            dtype=entry.placeholder.dtype)
+        self.state.client.read_rows(entry.read_name, unique, table,
+                                    namespace=self.state.config.namespace)
+        return functional.embedding(inverse.view(ids.shape), table)
+
     def acquire(self, *, fused: bool = False) -> None:
         """Lease the unit's parameters and point them at their values; `fused` (see `fuses`):
         keep the weight's codes and scales for `linear_forward` instead of dequantizing them."""
-        if self.lease is not None:
+        if self.lease is not None or self.by_rows is not None:
             return
         self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
         if self.state.device_params is not None:
@@ -567,21 +584,13 @@ class OffloadState:
         not have leased the stored gradient yet, and a new one put now would be stepped in its
         place. Its error is left for `synchronize()` / the next `step()` to raise."""
         pending, entry.delayed = entry.delayed, None
-        if pending is not None:
-            try:
-                pending.result()
-            except InfinityError:
-                pass
+        _wait_quietly(pending)
 
     def settle_guess(self, entry: _Param) -> None:
         """Wait for the optimizer's speculative step over `entry`'s stored gradient (its
         outcome does not matter here: a wrong or failed guess is computed again by the step)."""
         guess, entry.guess = entry.guess, None
-        if guess is not None:
-            try:
-                guess.result()
-            except InfinityError:
-                pass
+        _wait_quietly(guess)
 
     def read_from(self, names: dict[str, str]) -> None:
         """Compute with other stored copies of some parameters from their next use on (stored
@@ -657,6 +666,31 @@ class OffloadState:
                 "this parameter is not one of the offloaded module's; pass a parameter of the "
                 "module given to offload()")
         return entry
+
+
+def _read_embedding_by_rows(unit: _Unit) -> None:
+    """Make an inference unit that is a plain nn.Embedding read only the rows it looks up
+    (`_Unit.embedding_forward`), where its weight is its own (not tied to an output
+    projection, which needs the whole table anyway), in full precision, and max_norm unset
+    (which rewrites the table)."""
+    module = unit.module
+    if type(module).forward is not nn.Embedding.forward or len(unit.entries) != 1:
+        return
+    entry = unit.entries[0]
+    if (entry.param is not module._parameters.get("weight") or len(entry.units) != 1
+            or entry.quantized is not None or getattr(module, "max_norm", None) is not None):
+        return
+    unit.by_rows = entry
+    module.forward = unit.embedding_forward  # type: ignore[method-assign]
+
+
+def _wait_quietly(pending: Any) -> None:
+    """Wait for a PendingAdamStep (None: nothing to wait for) whose error someone else raises."""
+    if pending is not None:
+        try:
+            pending.result()
+        except InfinityError:
+            pass
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -924,6 +958,9 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             lambda m, a, unit=unit: state._pre_forward(unit, a))
         module.register_forward_hook(
             lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True)
+    if inference and copier is None and computes_on.type == "cpu":
+        for unit in state.units:
+            _read_embedding_by_rows(unit)
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.
     plain_zero_grad = model.zero_grad
