@@ -50,6 +50,12 @@ module's forward (replaced on that instance by `_Unit.linear_forward`, which fal
 `nn.Linear.forward` whenever the weight was dequantized) multiplies from them with the native
 kernel (`infinity.torch.quantize.linear`), the weight never written out in full.
 
+An inference unit that is a plain `nn.Embedding` with a weight of its own (not tied to an output
+projection), in full precision, computing on the CPU, leases nothing: its forward (replaced on
+the instance by `_Unit.embedding_forward`) reads just the rows its input looks up
+(`client.read_rows`) and looks them up in that small table; a decode step reads one 1 MiB block
+of the table, not the table.
+
 Listeners (`gradient_listeners`, `backward_listeners`) hear of each gradient once it is stored
 and of each backward's end: the optimizer's speculative step (`infinity.torch.optim`) sends its
 guesses from there. A unit whose lease finds the CPU tier full waits for the daemon's work for
