@@ -22,7 +22,7 @@ from torch import nn
 
 import infinity.torch as itorch
 from conftest import PREFETCH_SETTINGS, RunningDaemon
-from infinity.torch.optim import GUESS_RETRY_STEPS
+from infinity.torch.guesses import GUESS_RETRY_STEPS
 
 WIDTH = 1000
 GUESSED = 3  # parameters guessed per step: the three square weights

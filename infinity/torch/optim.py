@@ -19,24 +19,10 @@ error of the step is raised where it is waited for (the next forward's use of th
 or `synchronize()`); `state_dict()` and `load_state_dict()` wait for it first. `overlap=False`
 makes `step()` wait.
 
-The step also starts during backward (`speculate=True`, the default): as the gradients of a
-sub-group of parameters are stored (`offload`'s hook, for parameters of at least
-GUESS_MIN_BYTES), the optimizer sends the daemon a *guess* of their step: the hyperparameters the
-groups have now, no clipping and no loss scale, the next step number
-(`AdamStepper.send_guess`). The daemon computes it into fresh NVMe extents and publishes
-nothing; `step()` waits for the guesses, and each of its items that matches its guess (the
-same gradient, unchanged since, the same hyperparameters, scale and step number: checked by
-the daemon) is installed instead of computed. So a step's reads, arithmetic and writes overlap
-backward, where the I/O would otherwise crowd the next forward; a wrong guess costs only its
-I/O, never a different result: with or without guesses the values are the same, bit for bit.
-Guesses are made after the micro-batch the last step came after (gradient accumulation), and
-after a step that did not match them (a clipped norm, a loss scaler's scale, a learning rate set
-between backward and step) not for the next GUESS_RETRY_STEPS steps. The daemon makes none
-where it has no NVMe tier, where a parameter's state is all in its CPU tier (the step is in
-place there) or where its window is too small. Why guesses rather than the step itself during
-backward: the step's inputs (the clipping factor, the loss scaler's verdict, whether this was
-the last micro-batch) are known only after backward, and a guess published only on a match
-needs no undo.
+The step also starts during backward (`speculate=True`, the default): the optimizer sends the
+daemon guesses of it as gradients are stored, which `step()` installs where they match
+(`infinity.torch.guesses`): the step's I/O overlaps backward, and a wrong guess costs only I/O.
+`guess_counts` counts the guesses sent and how many the steps matched or missed.
 
 `delay_update=True` (off by default: it changes the numerics) is ZeRO-Offload's delayed
 parameter update: the next forward does not wait for the step at all but computes with the
@@ -45,9 +31,8 @@ forward then uses parameters one step older than the plain schedule's. Each para
 fp32 master copy and a second copy of itself (`<name>.next`): the step updates the master and
 writes one copy while the module computes with the other, and `step()` (or `synchronize()`)
 switches the module to the copy the last step wrote once that step is done. A parameter's next
-gradient waits for the step over it (`OffloadState._settle_delayed`): until then the daemon may
-not have leased the stored gradient yet (items beyond its window wait unleased), and a new one
-would be stepped in its place.
+gradient waits for the step over it (`OffloadState._settle_delayed`), which may not have leased
+the stored gradient yet.
 
 `param_groups` are read at every step (lr, betas, eps, weight_decay), so
 `torch.optim.lr_scheduler` schedulers work; `zero_grad()` makes the next backward replace the
@@ -62,24 +47,16 @@ which copy of each parameter is current) from the record, and `resume(scheduler)
 hyperparameters and the scheduler and returns the number of steps taken.
 
 Gradient clipping: torch's `clip_grad_norm_` cannot see gradients that already left the process,
-so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients, and
-the factor that scales them applied inside the next step's pass. The norm adds up the sums of
-squares that `offload`'s gradient hook recorded as each gradient arrived (`OffloadState.grad_stats`),
-so clipping reads no gradient back; only a gradient without figures (written into the store by
-something else) is read.
+so the optimizer offers `clip_grad_norm_(max_norm)`: the global norm of the stored gradients
+(from the sums of squares `offload`'s hook recorded as each arrived: `OffloadState.grad_stats`),
+and the factor that scales them applied inside the next step's pass.
 
-Loss scaling: `torch.amp.GradScaler` works unchanged (`scaler.scale(loss).backward()`, optionally
-`scaler.unscale_(optimizer)` and `optimizer.clip_grad_norm_`, `scaler.step(optimizer)`,
-`scaler.update()`). The optimizer sets `_step_supports_amp_scaling`, as torch's fused Adam does:
-the scaler hands it the scale, and the kernel multiplies the gradients by its inverse inside the
-step's pass. The scaler looks for overflows by reading each parameter's `.grad`, which an
-offloaded parameter no longer has, so its gradient pass (`GradScaler._unscale_grads_`, which both
-`unscale_` and `step` run) is redirected for these optimizers to the recorded figures: a
-non-finite gradient sets the scaler's `found_inf`, the whole step is skipped (no parameter,
-moment or step count changes) and `scaler.update()` backs the scale off as it does for torch's
-optimizers.
-
-`guess_counts` counts the guesses sent and how many the steps matched or missed.
+Loss scaling: `torch.amp.GradScaler` works unchanged. The optimizer sets
+`_step_supports_amp_scaling`, as torch's fused Adam does: the scaler hands it the scale, and the
+kernel multiplies the gradients by its inverse inside the step's pass. The scaler's pass over
+`.grad` (`GradScaler._unscale_grads_`), which an offloaded parameter no longer has, is
+redirected for these optimizers to the recorded figures: a non-finite gradient sets the
+scaler's `found_inf`, the whole step is skipped and `scaler.update()` backs the scale off.
 
 Not supported (a clear InvalidRequestError): amsgrad, maximize, a closure, capturable,
 differentiable, foreach/fused (the daemon's kernel is the fused implementation), parameters that
@@ -95,9 +72,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from infinity.errors import InfinityError, InvalidRequestError
+from infinity.errors import InvalidRequestError
 from infinity.protocol import wire
 from infinity.torch.distributed import NodeRanks
+from infinity.torch.guesses import StepGuesser
 from infinity.torch.offload import (GradStats, OffloadState, _Param, measure_gradient,
                                     state_of_parameter)
 from infinity.torch.restart import (RECORD_BYTES, OptimizerRecord, names_digest, plain_groups,
@@ -106,12 +84,8 @@ from infinity.torch.restart import (RECORD_BYTES, OptimizerRecord, names_digest,
 __all__ = ["Adam", "AdamW", "StoredParameter"]
 
 SUBGROUP_BYTES = 8 << 20  # fp32 bytes of parameters per request: the next forward waits for one
-GUESS_MIN_BYTES = 1 << 20  # smaller parameters are not guessed: their step is a small one anyway
-GUESS_RETRY_STEPS = 16  # after a step that did not match its guess, steps without guessing
 
 _Request = tuple[OffloadState, _Param, wire.AdamItem]  # a parameter's item of a step
-# A guess sent: the parameter, its item and group, and the micro-batch it was made after.
-_Guess = tuple[_Param, wire.AdamItem, wire.AdamGroup, int]
 
 
 @dataclass(frozen=True)
@@ -165,12 +139,9 @@ class _StoreAdam(torch.optim.Optimizer):
         # not yet matched against a step, the sub-group being gathered per (client, namespace),
         # the micro-batch whose gradients are guessed from (the last step's count), and the
         # step() call from which guessing is on again after a step that did not match.
-        self._guessing = speculate and overlap and not delay_update
-        self._guesses: list[tuple[Any, list[_Guess]]] = []
-        self._gathering: dict[tuple[int, str], tuple[OffloadState, list[_Request], int]] = {}
-        self._micro_batches = 1
-        self._guess_from_call = 0
-        self.guess_counts = {"sent": 0, "matched": 0, "missed": 0}
+        self._guesser = StepGuesser(self, subgroup_bytes=SUBGROUP_BYTES,
+                                    on=speculate and overlap and not delay_update)
+        self.guess_counts = self._guesser.counts
         # The delayed update's step in flight, and per offload state the copies it writes
         # (stored name -> the copy's name), which the module computes with once it is done.
         self._delayed: list[Any] = []
@@ -197,12 +168,12 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._adopt(param)
         if self._ranks is not None:
             self._adopt_across_ranks()
-            self._guessing = False
+            self._guesser.on = False
         else:
             self._find_record()
         for state in {id(s): s for s in self._owners.values()}.values():
-            if self._guessing:
-                self._listen(state)
+            if self._guesser.on:
+                self._guesser.listen(state)
             if delay_update:
                 # A unit that finds the CPU tier full waits for the step still running (its
                 # staging and leases hold the tier) before it asks again.
@@ -304,8 +275,8 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._adopt(param)
                 state = self._owners[id(param)]
                 if id(state) not in listened:
-                    if self._guessing:
-                        self._listen(state)
+                    if self._guesser.on:
+                        self._guesser.listen(state)
                     if self._delay_update:
                         state.daemon_work_waiters.append(self._wait_for_delayed)
                     listened.add(id(state))
@@ -324,7 +295,7 @@ class _StoreAdam(torch.optim.Optimizer):
         # forward waited for it already, but for parameters it did not use). The delayed
         # update's last step is published here: the module computes with it from now on. The
         # guesses made during backward too: this step's items lease their tensors exclusively.
-        guesses = self._settle_guesses()
+        guesses = self._guesser.settle()
         self.synchronize()
         self._calls += 1
         grad_scale = self._take_grad_scale()
@@ -335,7 +306,7 @@ class _StoreAdam(torch.optim.Optimizer):
         if grad_scale is None:
             # A loss scaler found an overflow: torch skips the step, so do we (it still counts
             # as a step of the loop, so the record learns of it).
-            self._judge_guesses(guesses, {}, [])
+            self._guesser.judge(guesses, {}, [])
             self._send_record()
             return
         requests: dict[tuple[int, str], list[_Request]] = {}
@@ -363,109 +334,13 @@ class _StoreAdam(torch.optim.Optimizer):
         for (client_id, namespace), items in requests.items():
             by_client.setdefault(client_id, []).append((namespace, _in_forward_order(items)))
         record = self._record()
-        self._judge_guesses(guesses, requests, groups)
+        self._guesser.judge(guesses, requests, groups)
         for client_id, parts in by_client.items():
             self._send(groups, parts, record if client_id == id(home.client) else None)
         if id(home.client) not in by_client:
             self._send_record(record)
         if not self._overlap:
             self.synchronize()
-
-    # --- the speculative step -----------------------------------------------------------
-
-    def _listen(self, state: OffloadState) -> None:
-        state.gradient_listeners.append(self._on_gradient)
-        state.backward_listeners.append(self._on_backward_end)
-
-    def _on_gradient(self, state: OffloadState, entry: _Param) -> None:
-        """A gradient is stored (`offload`'s hook): guess its step if this is the micro-batch
-        the step is expected after, gathering sub-groups of about SUBGROUP_BYTES."""
-        if not self._guessing or self._calls < self._guess_from_call:
-            return
-        if entry.micro_batches != self._micro_batches:
-            return
-        nbytes = entry.placeholder.numel() * 4
-        if nbytes < GUESS_MIN_BYTES:
-            return
-        param = entry.param
-        index = self._group_of(param)
-        if index is None:
-            return  # another optimizer's parameter of the same module
-        names = self._names(state, param)
-        step = int(self.state[param].get("step", torch.tensor(0.0)).item()) + 1
-        item = wire.AdamItem(entry.name, entry.grad_name, names["master"], names["exp_avg"],
-                             names["exp_avg_sq"], index, step)
-        key = (id(state.client), state.config.namespace)
-        _, gathered, gathered_bytes = self._gathering.get(key, (state, [], 0))
-        gathered.append((state, entry, item))
-        gathered_bytes += nbytes
-        self._gathering[key] = (state, gathered, gathered_bytes)
-        if gathered_bytes >= SUBGROUP_BYTES:
-            self._send_guesses(key)
-
-    def _on_backward_end(self, state: OffloadState) -> None:
-        for key in [key for key in self._gathering if key[0] == id(state.client)]:
-            self._send_guesses(key)
-
-    def _send_guesses(self, key: tuple[int, str]) -> None:
-        state, gathered, _ = self._gathering.pop(key)
-        if not gathered:
-            return
-        try:
-            groups = self._adam_groups(1.0)
-        except InvalidRequestError:
-            return  # the step will say what is wrong with the groups
-        pending = self._steppers[id(state.client)].send_guess(
-            groups, [item for _, _, item in gathered], namespace=state.config.namespace)
-        for _, entry, _ in gathered:
-            entry.guess = pending
-        self._guesses.append((pending, [(entry, item, groups[item.group], entry.micro_batches)
-                                        for _, entry, item in gathered]))
-        self.guess_counts["sent"] += len(gathered)
-
-    def _settle_guesses(self) -> list[_Guess]:
-        """Send what is gathered and wait for every guess: a step's item leases exclusively
-        what a guess still holds shared. A guess's error is no step's: the step computes that
-        item itself (a daemon that refuses guesses, with no NVMe tier, gets none again)."""
-        for key in list(self._gathering):
-            self._send_guesses(key)
-        guessed: list[_Guess] = []
-        guesses, self._guesses = self._guesses, []
-        for pending, items in guesses:
-            try:
-                pending.result()
-            except InvalidRequestError:
-                self._guessing = False
-            except InfinityError:
-                pass
-            for entry, *_ in items:
-                if entry.guess is pending:
-                    entry.guess = None
-            guessed.extend(items)
-        return guessed
-
-    def _judge_guesses(self, guessed: list[_Guess],
-                       requests: dict[tuple[int, str], list[_Request]],
-                       groups: list[wire.AdamGroup]) -> None:
-        """Count which guesses this step's items match (the daemon installs those; it checks
-        again itself), learn the micro-batch the step came after, and after a miss (clipping,
-        a loss scale, an lr set between backward and step) guess again only after
-        GUESS_RETRY_STEPS steps."""
-        sent = {id(entry): item for items in requests.values() for _, entry, item in items}
-        counts = [entry.micro_batches for items in requests.values() for _, entry, _ in items]
-        learned = False  # the step came after another micro-batch than the guesses expected
-        if counts and max(counts) != self._micro_batches:
-            self._micro_batches, learned = max(counts), True
-        missed = 0
-        for entry, item, group, micro_batch in guessed:
-            actual = sent.get(id(entry))
-            if (actual is None or actual != item or groups[actual.group] != group
-                    or entry.micro_batches != micro_batch):
-                missed += 1
-        self.guess_counts["matched"] += len(guessed) - missed
-        self.guess_counts["missed"] += missed
-        if missed and not learned:
-            self._guess_from_call = self._calls + GUESS_RETRY_STEPS
 
     def _group_of(self, param: nn.Parameter) -> int | None:
         for index, group in enumerate(self.param_groups):
@@ -622,8 +497,8 @@ class _StoreAdam(torch.optim.Optimizer):
         until the next step (a checkpoint saves both, and the run goes on as if unsaved)."""
         for state in {id(s): s for s in self._owners.values()}.values():
             state.settle_steps()
-        if self._guesses or self._gathering:
-            self._judge_guesses(self._settle_guesses(), {}, [])  # no step took them
+        if self._guesser.busy:
+            self._guesser.judge(self._guesser.settle(), {}, [])  # no step took them
         pending, self._delayed = self._delayed, []
         for step in pending:
             step.result()
