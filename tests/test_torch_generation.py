@@ -94,15 +94,11 @@ def test_generation_through_a_copying_device_within_a_budget_equals_in_memory(
     assert client.stats()["clients"][0]["leases"] == 0
 
 
-def untied_llama() -> nn.Module:
-    """Llama whose input embedding is its own (not the output projection's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(19)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=103, max_position_embeddings=64,
-        tie_word_embeddings=False, eos_token_id=102, bos_token_id=101, pad_token_id=0))
+def saved(model: nn.Module, disk_tmp: str, name: str) -> str:
+    folder = os.path.join(disk_tmp, name)
+    model.save_pretrained(folder)
+    save_char_tokenizer(folder)
+    return folder
 
 
 def embedding_unit(model: nn.Module) -> Any:
@@ -115,9 +111,7 @@ def embedding_unit(model: nn.Module) -> Any:
 
 def test_an_untied_embedding_reads_only_the_rows_it_looks_up_and_generates_as_in_memory(
         client: Any, disk_tmp: str) -> None:
-    folder = os.path.join(disk_tmp, "untied")
-    untied_llama().save_pretrained(folder)
-    save_char_tokenizer(folder)
+    folder = saved(llama(tied=False), disk_tmp, "untied")
     import_model(client, folder, namespace="untied", progress=False)
     model = load_causal_lm(client, namespace="untied")
     assert embedding_unit(model).by_rows is not None  # it leases no table: it reads rows
@@ -130,9 +124,7 @@ def test_an_untied_embedding_reads_only_the_rows_it_looks_up_and_generates_as_in
 
 def test_a_tied_embedding_is_leased_whole_as_its_output_projection_needs(
         client: Any, disk_tmp: str) -> None:
-    folder = os.path.join(disk_tmp, "tied")
-    gpt2().save_pretrained(folder)
-    save_char_tokenizer(folder)
+    folder = saved(gpt2(), disk_tmp, "tied")
     import_model(client, folder, namespace="tied", progress=False)
     assert embedding_unit(load_causal_lm(client, namespace="tied")).by_rows is None
 

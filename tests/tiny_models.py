@@ -15,15 +15,15 @@ def gpt2() -> nn.Module:
                                       n_positions=64, eos_token_id=100, bos_token_id=100))
 
 
-def llama() -> nn.Module:
-    """Llama with its embedding tied to its output projection."""
+def llama(*, tied: bool = True) -> nn.Module:
+    """Llama with its embedding tied to its output projection (`tied=False`: its own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(13)
     return LlamaForCausalLM(LlamaConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=103, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=102, bos_token_id=101, pad_token_id=0))
+        tie_word_embeddings=tied, eos_token_id=102, bos_token_id=101, pad_token_id=0))
 
 
 def word_tokenizer(vocab_size: int) -> object:

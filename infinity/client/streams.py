@@ -10,7 +10,7 @@ A small tensor, or any without an NVMe tier, goes directly through one slice.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -192,17 +192,28 @@ class StreamCalls(Session):
             if info.nbytes:
                 flat.copy_(self._slot_views(info)[0][:info.nbytes])
             return
+        chunks = ((offset, min(info.chunk_bytes, info.nbytes - offset))
+                  for offset in range(0, info.nbytes, info.chunk_bytes))
+
+        def consume(view: torch.Tensor, offset: int, n: int) -> None:
+            flat[offset:offset + n].copy_(view[:n])
+
+        self._read_chunks(info, chunks, consume)
+
+    def _read_chunks(self, info: wire.StreamInfo, chunks: Iterator[tuple[int, int]],
+                     consume: Callable[[torch.Tensor, int, int], None]) -> None:
+        """Read `chunks` ((offset, nbytes) each, in order) of a staged read stream into its
+        slices, all of them in flight at once, and hand each to `consume(slice, offset,
+        nbytes)` once read, in order; the slice is read into again after that."""
         self._check_usable()
         channel = self._channel()
         slots = self._slot_views(info)
-        offsets = iter(range(0, info.nbytes, info.chunk_bytes))
         pending: deque[tuple[int, int, int, int]] = deque()  # (request id, slot, offset, n)
 
         def issue(slot: int) -> None:
-            offset = next(offsets, None)
-            if offset is not None:
-                n = min(info.chunk_bytes, info.nbytes - offset)
-                pending.append((self._chunk(channel, info, slot, offset, n), slot, offset, n))
+            chunk = next(chunks, None)
+            if chunk is not None:
+                pending.append((self._chunk(channel, info, slot, *chunk), slot, *chunk))
 
         try:
             for slot in range(len(slots)):
@@ -210,7 +221,7 @@ class StreamCalls(Session):
             while pending:
                 request_id, slot, offset, n = pending.popleft()
                 self._chunk_done(channel, request_id)
-                flat[offset:offset + n].copy_(slots[slot][:n])
+                consume(slots[slot], offset, n)
                 issue(slot)
         except BaseException:
             self._drain(channel, pending)
@@ -240,35 +251,17 @@ class StreamCalls(Session):
                 chunks.append((offset, CRC_BLOCK_BYTES))
         chunks = [(offset, min(n, info.nbytes - offset)) for offset, n in chunks]
         ends = starts + row_bytes
-        self._check_usable()
-        channel = self._channel()
-        slots = self._slot_views(info)
-        todo = iter(chunks)
-        pending: deque[tuple[int, int, int, int]] = deque()  # (request id, slot, offset, n)
 
-        def issue(slot: int) -> None:
-            chunk = next(todo, None)
-            if chunk is not None:
-                pending.append((self._chunk(channel, info, slot, *chunk), slot, *chunk))
+        def consume(view: torch.Tensor, offset: int, n: int) -> None:
+            # Each row's bytes inside this chunk (a row may straddle two chunks).
+            inside = ((starts < offset + n) & (ends > offset)).nonzero().flatten().tolist()
+            for i in inside:
+                begin = max(int(starts[i]), offset)
+                end = min(int(ends[i]), offset + n)
+                at = begin - int(starts[i])
+                out[i, at:at + end - begin].copy_(view[begin - offset:end - offset])
 
-        try:
-            for slot in range(len(slots)):
-                issue(slot)
-            while pending:
-                request_id, slot, offset, n = pending.popleft()
-                self._chunk_done(channel, request_id)
-                # Each row's bytes inside this chunk (a row may straddle two chunks).
-                inside = ((starts < offset + n) & (ends > offset)).nonzero().flatten().tolist()
-                view = slots[slot]
-                for i in inside:
-                    begin = max(int(starts[i]), offset)
-                    end = min(int(ends[i]), offset + n)
-                    at = begin - int(starts[i])
-                    out[i, at:at + end - begin].copy_(view[begin - offset:end - offset])
-                issue(slot)
-        except BaseException:
-            self._drain(channel, pending)
-            raise
+        self._read_chunks(info, iter(chunks), consume)
 
     def _stream_out(self, info: wire.StreamInfo, fill: PieceFill) -> None:
         if info.direct:
