@@ -159,17 +159,17 @@ def test_the_delayed_update_gives_the_losses_of_zero_offloads_schedule(client: A
 
 def test_the_delayed_update_steps_each_backwards_own_gradients_while_the_daemon_lags(
         daemon_factory: Any) -> None:
-    """Each item of a step waits 20 ms in the daemon (a debug setting) and most wait unleased
+    """Each item of a step waits 10 ms in the daemon (a debug setting) and most wait unleased
     in its queue, so the next backward's gradients are ready before the step has read the
     last ones: each step must still apply
     the gradients of its own backward (the trainer waits for the step over a parameter before
     it replaces that parameter's stored gradient)."""
     # A 2 MiB tier: a 512 KiB step window, so many items of a step wait unleased in its queue.
-    daemon = daemon_factory(**{"daemon.debug_step_delay_s": 0.02, "cpu.budget_bytes": 2 << 20,
+    daemon = daemon_factory(**{"daemon.debug_step_delay_s": 0.01, "cpu.budget_bytes": 2 << 20,
                                "cpu.segment_bytes": 2 << 20})
     client = daemon.connect("lagging")
     try:
-        steps = 5
+        steps = 4
         model = itorch.offload(gpt2(), client, namespace="lagging")
         losses = run_steps(model, itorch.AdamW(model.parameters(), lr=3e-3, delay_update=True),
                            steps)
