@@ -1,9 +1,10 @@
 """Streams: tensors of any size written from or read into a caller's tensor, in chunks.
 
 `StreamCalls` holds the Client's write_from, write_pieces, read_into and read_rows (some rows
-of a tensor, reading from NVMe only the checksum blocks that hold them). A stream opens on the daemon
-(stream_open), moves its bytes through staging slices of the CPU tier (stream_chunk requests
-kept nvme.stream_depth deep, one slot each), and closes (stream_close, committing a write).
+of a tensor, reading from NVMe only the checksum blocks that hold them). A stream opens on the
+daemon (stream_open), moves its bytes through staging slices of the CPU tier (stream_chunk
+requests kept nvme.stream_depth deep, one slot each), and closes (stream_close, committing a
+write).
 A small tensor, or any without an NVMe tier, goes directly through one slice.
 """
 

@@ -8,11 +8,11 @@ its I/O, never a different value. Why guesses rather than the step itself during
 clipping factor, a loss scaler's verdict and whether this was the last micro-batch are known
 only after backward, and a guess published only on a match needs no undo.
 
-`StepGuesser` belongs to one `infinity.torch.Adam` / `AdamW`. It listens to each offloaded module's gradients as they are stored
-(`OffloadState.gradient_listeners`) and to each backward's end; it gathers the parameters of at
-least GUESS_MIN_BYTES into sub-groups and sends each as a speculative `adam_step`
-(`AdamStepper.send_guess`) with the groups' hyperparameters as they are, no clipping or loss
-scale, and the next step number. `step()` waits for the guesses (`settle`) before it sends its
+`StepGuesser` belongs to one `infinity.torch.Adam` / `AdamW`. It listens to each offloaded
+module's gradients as they are stored (`OffloadState.gradient_listeners`) and to each
+backward's end; it gathers the parameters of at least GUESS_MIN_BYTES into sub-groups and sends
+each as a speculative `adam_step` (`AdamStepper.send_guess`) with the groups' hyperparameters
+as they are, no clipping or loss scale, and the next step number. `step()` waits for the guesses (`settle`) before it sends its
 own items, and then `judge` counts which of them it matched, learns the micro-batch the step
 came after, and after a miss pauses guessing for GUESS_RETRY_STEPS steps. The daemon is the
 judge of what it installs; the counts here only steer when to guess.

@@ -85,6 +85,8 @@ from infinity.errors import InfinityError, InvalidRequestError, LeaseError, Tier
 from infinity.io.native import native
 from infinity.torch.device_params import DeviceParams, compute_device, device_budget, device_copier
 from infinity.torch.distributed import NodeRanks, node_ranks
+from infinity.torch.from_store import (dtypes_in_store, give_values_to_meta_parameters,
+                                       quantized_copies)
 from infinity.torch.quantize import FUSED_MAX_ROWS, DequantBuffers, QuantizedWeight, linear
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
@@ -709,96 +711,6 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) ->
     return tensor
 
 
-def _stored_dtypes(model: nn.Module, client: Any, config: OffloadConfig) -> dict[str, torch.dtype]:
-    """The stored dtype of each of `model`'s parameters (by parameter name), checking that the
-    store holds every one of them with its shape (and `config.param_dtype`, if given)."""
-    stored = {info.name: info for info in
-              client.list(namespace=config.namespace, prefix=config.prefix)}
-    dtypes: dict[str, torch.dtype] = {}
-    missing: list[str] = []
-    mismatched: list[str] = []
-    for name, param in model.named_parameters():
-        info = stored.get(config.prefix + name)
-        if info is None:
-            missing.append(config.prefix + name)
-            continue
-        dtype = getattr(torch, info.dtype, None)
-        if (tuple(info.shape) != tuple(param.shape) or not isinstance(dtype, torch.dtype)
-                or (config.param_dtype is not None and dtype != config.param_dtype)):
-            mismatched.append(f"{config.prefix + name} (stored {info.dtype} "
-                              f"{list(info.shape)}, the model's {list(param.shape)})")
-            continue
-        dtypes[name] = dtype
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
-                                          else "")
-        raise InvalidRequestError(
-            f"from_store: namespace {config.namespace!r} does not hold {shown}; offload the "
-            f"model without from_store to upload its values, or check the namespace and prefix")
-    if mismatched:
-        wanted = f" as {config.param_dtype}" if config.param_dtype is not None else ""
-        raise InvalidRequestError(
-            f"from_store: the store holds parameters that do not fit the model{wanted}: "
-            f"{'; '.join(mismatched[:5])}; build the model from the config it was stored with")
-    return dtypes
-
-
-def _quantized_copies(model: nn.Module, client: Any, config: OffloadConfig,
-                      quantized: Mapping[str, QuantizedWeight], dtype_of: Any, *,
-                      from_store: bool) -> dict[int, QuantizedWeight]:
-    """The quantized copy each parameter computes with (by id), checked: only for a module
-    that infers from values in the store, each copy of the parameter's shape and stored dtype,
-    and its codes and scales in the namespace."""
-    if not quantized:
-        return {}
-    if not (from_store and config.inference):
-        raise InvalidRequestError(
-            "quantized copies are for inference from weights in the store: pass "
-            "from_store=True and inference=True with quantized=, or leave quantized out")
-    copies: dict[int, QuantizedWeight] = {}
-    for name, param in model.named_parameters():
-        copy = quantized.get(config.prefix + name)
-        if copy is None:
-            continue
-        if tuple(copy.shape) != tuple(param.shape) or copy.dtype != dtype_of(param):
-            raise InvalidRequestError(
-                f"the {copy.form} copy of {config.prefix + name} is of {copy.dtype} "
-                f"{list(copy.shape)}, but the parameter computes in {dtype_of(param)} "
-                f"{list(param.shape)}; import the model again")
-        copies[id(param)] = copy
-    wanted = {n for copy in copies.values() for n in copy.names}
-    held: set[str] = set()
-    for prefix in {n[:n.index("/") + 1] for n in wanted}:
-        held.update(info.name for info in client.list(namespace=config.namespace, prefix=prefix))
-    missing = sorted(wanted - held)
-    if missing:
-        raise InvalidRequestError(
-            f"namespace {config.namespace!r} does not hold {len(missing)} tensors of the "
-            f"quantized copies (e.g. {missing[0]!r}); import the model again with the form")
-    return copies
-
-
-def _give_values_to_meta_parameters(model: nn.Module, state: OffloadState) -> None:
-    """Replace each parameter on the meta device by one over its placeholder, in every module
-    slot that holds it (tied ones in each). torch cannot point a meta parameter at memory
-    (`.data =` needs the same device type), and a module built without values has nothing a
-    user could hold on to yet, so here (only here) the Parameter objects are new."""
-    replaced: dict[int, nn.Parameter] = {}
-    for entry in state.params:
-        if entry.param.is_meta:
-            fresh = nn.Parameter(entry.placeholder, requires_grad=entry.param.requires_grad)
-            replaced[id(entry.param)] = fresh
-            del state._by_param[id(entry.param)]
-            state._by_param[id(fresh)] = entry
-            entry.param = fresh
-    if not replaced:
-        return
-    for module in model.modules():
-        for slot, param in list(module._parameters.items()):
-            if param is not None and id(param) in replaced:
-                module._parameters[slot] = replaced[id(param)]
-
-
 def state_of_parameter(param: nn.Parameter) -> OffloadState | None:
     """The offload state whose module holds `param`, or None (for the optimizer)."""
     for state in list(_STATES.values()):
@@ -867,7 +779,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     uploads = not from_store and (ranks is None or ranks.is_leader)
     if ranks is not None and not ranks.is_leader:
         ranks.node_barrier()  # the node's leader has uploaded the values (or found them)
-    stored_dtypes = _stored_dtypes(model, client, config) if not uploads else {}
+    stored_dtypes = dtypes_in_store(model, client, config) if not uploads else {}
     if uploads and any(param.is_meta for param in model.parameters()):
         raise InvalidRequestError(
             "the module's parameters are on the meta device (no values) and from_store is not "
@@ -886,7 +798,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     def dtype_of(param: nn.Parameter) -> torch.dtype:  # what it computes in, as entries below
         return stored_dtype.get(id(param)) or param_dtype or param.dtype
 
-    copies = _quantized_copies(model, client, config, quantized or {}, dtype_of,
+    copies = quantized_copies(model, client, config, quantized or {}, dtype_of,
                                from_store=from_store)
 
     def leased_bytes(param: nn.Parameter) -> int:  # what a unit leases for it
@@ -938,7 +850,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
                                                   for name in entry.lease_names])
         state.device_type = computes_on.type
     if not uploads:
-        _give_values_to_meta_parameters(model, state)
+        give_values_to_meta_parameters(model, state)
     for entry in state.params:
         if inference:
             entry.param.requires_grad_(False)
