@@ -10,7 +10,7 @@ parameters over their placeholders, since torch cannot point a meta parameter at
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -18,14 +18,14 @@ from torch import nn
 from infinity.errors import InvalidRequestError
 from infinity.torch.quantize import QuantizedWeight
 
-if TYPE_CHECKING:
-    from infinity.torch.offload import OffloadConfig, OffloadState
-
 __all__ = ["dtypes_in_store", "give_values_to_meta_parameters", "quantized_copies"]
+
+# `config` below is offload's OffloadConfig and `state` its OffloadState, typed Any: importing
+# them here would make an import circle (offload imports this module).
 
 
 def dtypes_in_store(model: nn.Module, client: Any,
-                    config: OffloadConfig) -> dict[str, torch.dtype]:
+                    config: Any) -> dict[str, torch.dtype]:
     """The stored dtype of each of `model`'s parameters (by parameter name), checking that the
     store holds every one of them with its shape (and `config.param_dtype`, if given)."""
     stored = {info.name: info for info in
@@ -59,7 +59,7 @@ def dtypes_in_store(model: nn.Module, client: Any,
     return dtypes
 
 
-def quantized_copies(model: nn.Module, client: Any, config: OffloadConfig,
+def quantized_copies(model: nn.Module, client: Any, config: Any,
                       quantized: Mapping[str, QuantizedWeight], dtype_of: Any, *,
                       from_store: bool) -> dict[int, QuantizedWeight]:
     """The quantized copy each parameter computes with (by id), checked: only for a module
@@ -94,7 +94,7 @@ def quantized_copies(model: nn.Module, client: Any, config: OffloadConfig,
     return copies
 
 
-def give_values_to_meta_parameters(model: nn.Module, state: OffloadState) -> None:
+def give_values_to_meta_parameters(model: nn.Module, state: Any) -> None:
     """Replace each parameter on the meta device by one over its placeholder, in every module
     slot that holds it (tied ones in each). torch cannot point a meta parameter at memory
     (`.data =` needs the same device type), and a module built without values has nothing a
