@@ -287,6 +287,35 @@ def test_a_tier_full_of_leased_tensors_is_tier_full_and_keeps_serving(store: Sto
         client.put("more", pattern(9, 2 * MiB))  # released: they can go now
 
 
+def test_a_put_into_a_tier_held_by_leases_and_loads_waits_for_the_loads_instead_of_failing(
+        store: Store) -> None:
+    # No spare slices: the put must take its room while the reads are in flight.
+    # A 64 MiB tier, so that the reads take a while.
+    daemon = store.start(**{"nvme.write_behind_bytes": 0, "cpu.spare_fraction": 0.0,
+                            "cpu.budget_bytes": 64 * MiB, "cpu.segment_bytes": 16 * MiB})
+    size = 8 * MiB - 4096  # an 8 MiB slice with its padding: two to a segment
+    with daemon.connect() as client:
+        client.put_many({f"a{i}": pattern(10 + i, size) for i in range(4)})
+        client.put_many({f"x{i}": pattern(40 + i, size) for i in range(4)})
+        push_out(client, 64 * MiB)
+        client.put_many({f"b{i}": pattern(20 + i, size) for i in range(4)})
+        with client.get_many([f"x{i}" for i in range(4)]):  # read back: clean in the tier
+            pass
+        wait_until(lambda: client.stats()["tiers"]["cpu"]["evictions_writing_back"] == 0,
+                   timeout_s=10, what="the evictions' write-backs to end")
+        with client.get_many([f"b{i}" for i in range(4)]):  # half the tier leased
+            # The x's make way at once for reads of the a's from NVMe; the put comes while those
+            # are in flight (nothing in the tier may go then: the a's are not there yet).
+            value = pattern(30, size)
+            client.prefetch([f"a{i}" for i in range(4)])
+            client.put("c", value)
+        with client.get("c") as view:
+            assert same_bytes(view, value)
+        for i in range(4):
+            with client.get(f"a{i}") as view:
+                assert same_bytes(view, pattern(10 + i, size))
+
+
 def test_a_tensor_written_in_place_is_written_back_and_reloads_with_the_new_bytes(
         store: Store) -> None:
     daemon = store.start()

@@ -220,7 +220,15 @@ class Eviction:
             return _PENDING
         if residency.write_error is not None and error_before is None:
             return _RETRY
+        if prefetch_of is None and covered + self._bytes_being_read() >= nbytes:
+            # Slices being read into from NVMe (prefetches, mostly) may go once their reads end,
+            # which wakes the waiters: wait for them rather than call a busy tier full.
+            return _PENDING
         return _NOTHING
+
+    def _bytes_being_read(self) -> int:
+        return sum(load.piece.length for load in self.residency.loads.values()
+                   if load.piece is not None)
 
     def _empty_segments_for(self, nbytes: int) -> str:
         """Evict every tensor of the fewest-used segments whose bytes all belong to
