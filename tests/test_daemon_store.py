@@ -111,16 +111,52 @@ def test_full_tier_is_tier_full_with_advice_and_frees_on_delete(client: Any) -> 
     client.commit("b8")
 
 
-def test_tensor_larger_than_a_segment_gets_a_dedicated_segment_returned_on_delete(
+def test_tensor_larger_than_a_segment_gets_a_dedicated_segment_left_idle_on_delete(
         client: Any) -> None:
     value = torch.arange(5 * MiB, dtype=torch.int32)  # 20 MiB > 8 MiB segments
     client.put("big", value)
     cpu = client.stats()["tiers"]["cpu"]
-    assert cpu["num_dedicated_segments"] == 1
+    assert (cpu["num_dedicated_segments"], cpu["num_idle_dedicated_segments"]) == (1, 0)
     with client.get("big") as view:
         assert torch.equal(view, value)
     client.delete("big")
-    assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] == 0
+    cpu = client.stats()["tiers"]["cpu"]
+    assert (cpu["num_dedicated_segments"], cpu["num_idle_dedicated_segments"]) == (0, 1)
+
+
+def test_an_idle_dedicated_segment_serves_the_next_tensor_of_about_its_size(client: Any) -> None:
+    client.put("big", torch.zeros(5 * MiB, dtype=torch.int32))  # 20 MiB
+    client.delete("big")
+    created = client.stats()["counters"]["tiers"]["segments_created"]
+    value = torch.arange(5 * MiB - 1_001, dtype=torch.int32)  # a little smaller: still fits
+    client.put("again", value)
+    assert client.stats()["counters"]["tiers"]["segments_created"] == created
+    with client.get("again") as view:
+        assert torch.equal(view, value)
+
+
+def test_an_idle_dedicated_segment_far_larger_than_a_tensor_is_retired_for_it(
+        client: Any) -> None:
+    client.put("big", torch.zeros(14 * MiB, dtype=torch.int32))  # 56 MiB of a 64 MiB tier
+    client.delete("big")
+    value = torch.arange(3 * MiB - 7, dtype=torch.int32)  # 12 MiB: a segment of its own
+    client.put("smaller", value)
+    cpu = client.stats()["tiers"]["cpu"]
+    assert (cpu["num_dedicated_segments"], cpu["num_idle_dedicated_segments"]) == (1, 0)
+    assert cpu["allocated_bytes"] <= 64 * MiB
+    with client.get("smaller") as view:
+        assert torch.equal(view, value)
+
+
+def test_idle_dedicated_segments_give_their_budget_to_standard_tensors(client: Any) -> None:
+    client.put("big", torch.zeros(10 * MiB, dtype=torch.int32))  # 40 MiB of a 64 MiB tier
+    client.delete("big")
+    for i in range(15):  # 60 MiB in 4 MiB tensors: the idle segment must go for them
+        client.put(f"t{i}", torch.full((MiB - 3,), i, dtype=torch.int32))
+    assert client.stats()["tiers"]["cpu"]["num_idle_dedicated_segments"] == 0
+    for i in range(15):
+        with client.get(f"t{i}") as view:
+            assert bool((view == i).all())
 
 
 def test_a_dedicated_segment_made_for_a_client_that_left_meanwhile_is_retired(
@@ -132,7 +168,8 @@ def test_a_dedicated_segment_made_for_a_client_that_left_meanwhile_is_retired(
     leaving.close()  # ... and its client says goodbye before it is served
     wait_until(lambda: client.stats()["tiers"]["cpu"]["growing_bytes"] == 0, timeout_s=10,
                what="the segment's creation to end")
-    assert client.stats()["tiers"]["cpu"]["num_dedicated_segments"] == 0
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_dedicated_segments"] == 0 and cpu["num_idle_dedicated_segments"] == 0
     for i in range(7):  # the whole tier is there for the others
         client.put(f"t{i}", torch.zeros(7 * MiB, dtype=torch.uint8))
 
@@ -274,8 +311,10 @@ def test_client_lets_go_of_a_retired_dedicated_segment_at_its_next_fetch(client:
     with client.get("big1"):
         pass
     first = {s for s, _, _ in client.segment_ranges()}
-    client.delete("big1")  # its segment is destroyed; this client still maps it
-    client.put("big2", torch.zeros(3 * MiB, dtype=torch.int32))  # maps a new one, hears of the old
+    client.delete("big1")  # its segment stays, idle; this client still maps it
+    # 56 MiB: the idle segment is retired for its budget. The client maps the new one and
+    # hears of the old.
+    client.put("big2", torch.zeros(14 * MiB, dtype=torch.int32))
     now = {s for s, _, _ in client.segment_ranges()}
     retired = first - now
     assert len(retired) == 1 and len(now - first) == 1

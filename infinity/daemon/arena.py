@@ -2,7 +2,10 @@
 
 A standard segment is `cpu.segment_bytes` (the last one may be smaller, to fit
 the budget); a tensor larger than half that gets a dedicated segment of its own,
-rounded up to 2 MiB, destroyed when the tensor is freed. (Half: a standard
+rounded up to 2 MiB. Emptied, a dedicated segment stays, idle, for the next tensor
+of about its size (an offloaded parameter's tensors come and go every step, and
+creating a segment zero-fills it: a fifth of the daemon's CPU in a training
+step before it stayed), and is retired when an allocation needs its budget. (Half: a standard
 segment holds only one such tensor, and the rest of it would be stranded; a
 few of them, leased together as an optimizer step leases a parameter's
 tensors, could find the tier less than half used and still no room.) Ranges inside a segment
@@ -42,6 +45,9 @@ log = logging.getLogger("infinityd.arena")
 
 ALIGNMENT_BYTES = 4096
 SEGMENT_GRANULE_BYTES = 2 * MiB
+# An idle dedicated segment serves a tensor that needs at least this part less than its size
+# (8: 1/8 of it at most stranded); a larger one is retired for it instead.
+IDLE_SLACK_DIVISOR = 8
 _HUGE_PAGE_BYTES = 2 * MiB  # what MADV_COLLAPSE makes
 POISON_BYTE = 0xFF  # every float dtype reads 0xFF..FF as NaN, so stale reads stand out
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module does not name it yet
@@ -296,11 +302,13 @@ class CpuArena:
                 f"client.write_from(name, src) / client.read_into(name, out) (needs nvme.dirs)")
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         dedicated = self.needs_dedicated(length)
+        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
         for segment in self.segments.values():
             if segment.dedicated != dedicated or segment.segment_class != segment_class:
                 continue
-            if dedicated and segment.allocator.used_bytes:
-                continue  # a dedicated segment holds exactly one tensor
+            if dedicated and (segment.allocator.used_bytes
+                              or segment.size_bytes > need + need // IDLE_SLACK_DIVISOR):
+                continue  # a dedicated segment holds exactly one tensor, of about its size
             extent = segment.allocator.allocate(length)
             if extent is not None:
                 self.used_bytes += extent.length_bytes
@@ -308,10 +316,9 @@ class CpuArena:
         # The tier may grow (or is growing): the caller waits for it. (The exception is made in
         # the raise, never kept in a local: this frame, in its traceback, would hold it, a
         # reference cycle per shortage that only the daemon's rare full collections free.)
-        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
-        # Empty standard segments that cannot serve this allocation give their budget back:
-        # any of them for a dedicated segment, those of other classes for a standard one
-        # (without read-only namespaces, there are none of those).
+        # Empty segments that cannot serve this allocation give their budget back: idle
+        # dedicated ones, and standard ones: any of them for a dedicated segment, those of
+        # other classes for a standard one (without read-only namespaces, there are none).
         other_classes: object = _ANY_CLASS if dedicated else segment_class
         if (not self.growing and self._room_bytes() < need
                 and self._room_bytes() + self._empty_standard_bytes(other_classes) >= need):
@@ -360,8 +367,7 @@ class CpuArena:
             ctypes.memset(segment.address + piece.offset, POISON_BYTE, piece.length)
         segment.allocator.free(Extent(piece.offset, piece.length))
         self.used_bytes -= piece.length
-        if segment.dedicated and segment.allocator.used_bytes == 0:
-            self._retire(segment)
+        # An emptied dedicated segment stays, idle: see the module's docstring.
 
     def segment_fds(self) -> dict[int, tuple[int, int]]:
         """Each live segment's (memfd, size), for the fd channel."""
@@ -399,17 +405,17 @@ class CpuArena:
 
     def segments_in_use(self) -> list[tuple[int, int, int]]:
         """(segment id, size, bytes in use) of each segment that holds something. Emptied, a
-        dedicated segment is retired at once, a standard one when a dedicated allocation
-        needs its budget."""
+        segment is retired when an allocation it cannot serve needs its budget."""
         return [(s.id, s.size_bytes, s.allocator.used_bytes) for s in self.segments.values()
                 if s.allocator.used_bytes]
 
     def _empty_standard(self, other_than: object = _ANY_CLASS) -> list[Segment]:
-        """Empty standard segments: of every class, or of a class other than `other_than` (for
-        a standard allocation of that class, which an empty one of its own would have served)."""
-        return [s for s in self.segments.values()
-                if not s.dedicated and s.allocator.used_bytes == 0
-                and (other_than is _ANY_CLASS or s.segment_class != other_than)]
+        """Empty segments that may be retired for an allocation: idle dedicated ones first,
+        then standard ones of every class, or of a class other than `other_than` (for a
+        standard allocation of that class, which an empty one of its own would have served)."""
+        empty = [s for s in self.segments.values() if s.allocator.used_bytes == 0
+                 and (s.dedicated or other_than is _ANY_CLASS or s.segment_class != other_than)]
+        return sorted(empty, key=lambda s: not s.dedicated)
 
     def _empty_standard_bytes(self, other_than: object = _ANY_CLASS) -> int:
         return sum(s.size_bytes for s in self._empty_standard(other_than))
@@ -447,7 +453,10 @@ class CpuArena:
             "used_bytes": self.used_bytes,
             "free_bytes": self.budget_bytes - self.used_bytes,
             "num_segments": len(self.segments),
-            "num_dedicated_segments": sum(1 for s in self.segments.values() if s.dedicated),
+            "num_dedicated_segments": sum(1 for s in self.segments.values()
+                                          if s.dedicated and s.allocator.used_bytes),
+            "num_idle_dedicated_segments": sum(1 for s in self.segments.values()
+                                               if s.dedicated and not s.allocator.used_bytes),
             "num_read_only_segments": sum(1 for s in self.segments.values()
                                           if s.segment_class is not None),
             "growing_bytes": self._planned_bytes,
