@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import rss_growth_during, wait_until
+from infinity.errors import TierFullError
 from test_daemon_nvme import Store, store  # noqa: F401  (store: the fixture, one per test)
 from test_daemon_optimizer import GROUP, item, reference_step
 
@@ -132,6 +133,22 @@ def test_a_bfloat16_parameter_steps_in_pieces_from_its_float32_master(
             param.check()
             small.check()
         assert client.stats()["optimizer"]["items_in_pieces"] == 2
+
+
+def test_a_step_in_a_tier_held_by_the_clients_leases_says_how_much_it_needs_and_changes_nothing(
+        store: Store) -> None:  # noqa: F811
+    daemon = store.start(**TIER)
+    with daemon.connect("pieces") as client:
+        param = Parameter(client, "wte", NUMEL)
+        fillers = {f"held{i}": torch.full((MiB - 5,), i, dtype=torch.int32) for i in range(7)}
+        client.put_many(fillers)
+        with client.get_many(list(fillers)):  # 28 MiB of the 32 leased: no room for staging
+            param.new_gradient()
+            with pytest.raises(TierFullError, match="3 times the largest parameter"):
+                client.adam_step([GROUP], [param.item()])
+        client.adam_step([GROUP], [param.item()])  # released: the same step goes through
+        param.stepped()
+        param.check()  # one step's values: the refused one changed nothing
 
 
 def test_tensors_each_larger_than_the_cpu_tier_step_in_pieces(store: Store) -> None:  # noqa: F811

@@ -102,6 +102,17 @@ class PiecePlan:
         return start, min(self.numel, start + self.elements)
 
 
+def tier_too_small(full: TierFullError, param: Version, need_bytes: int) -> TierFullError:
+    """The tier-full error of a parameter's step with no other item running: how much of the
+    tier its step needs at once (its tensors leased there, staging), beside the trainer's own
+    leases, and what to do. (Measured on a GPT-2 whose largest parameter is 16 MB: a tier of
+    twice that failed, three times passed, with and without delay_update.)"""
+    return TierFullError(
+        f"{full}. The step of {param.key[1]!r} needs {need_bytes} bytes of the CPU tier at once "
+        f"beside the trainer's own leases: make cpu.budget_bytes at least 3 times the largest "
+        f"parameter's fp32 bytes")
+
+
 def _slice_bytes(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
@@ -208,10 +219,12 @@ class PieceStepper:
                         break
                     except SpaceShortage:
                         yield self._when_space()
-                    except TierFullError:
+                    except TierFullError as exc:
                         if others_running():
                             raise PutBack() from None
-                        raise
+                        resident = sum(v.nbytes for v in versions if v.cpu is not None)
+                        raise tier_too_small(exc, versions[PARAM],
+                                             resident + plan.staging_bytes) from None
         nvme = self.tiers.nvme
         assert nvme is not None  # an item is stepped in pieces only with an NVMe tier
         plan.sync_failures_before = nvme.sync_failures

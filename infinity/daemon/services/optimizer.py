@@ -86,7 +86,7 @@ from infinity.daemon.jobs import Job, start_job
 from infinity.daemon.loop import EventLoop
 from infinity.daemon.namespaces import Namespaces
 from infinity.daemon.services.adam_pieces import (GRAD, Prepared, PiecePlan, PieceStepper,
-                                                  PutBack, plan_pieces)
+                                                  PutBack, plan_pieces, tier_too_small)
 from infinity.daemon.services.base import DaemonCounters, Deferred, Routes
 from infinity.daemon.sessions import DAEMON_CLIENT_ID, Session
 from infinity.daemon.tasks import LoopTaskPool
@@ -486,10 +486,11 @@ class OptimizerService:
         if loads:
             try:
                 yield loads
-            except TierFullError:
+            except TierFullError as exc:
                 if self.running > 1:
                     return "put back"  # other items of steps hold the tier: after them
-                raise
+                raise tier_too_small(exc, item.versions[0],
+                                     sum(v.nbytes for v in item.versions)) from None
         if self.item_delay_s:
             yield self._debug_delay()
         stopping = self._stopping()
