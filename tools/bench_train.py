@@ -26,6 +26,9 @@ its memory and its /proc/<pid>/io are its own and all of it ends with it:
   says which and why);
 - `infinity_nvme_noguess` (not in the default set): the same with the optimizer's guesses off
   (`AdamW(speculate=False)`), for an interleaved A/B of the step guessed during backward;
+- `plain_passive`, `infinity_nvme_passive` (not in the default set): `plain` and `infinity_nvme`
+  with `OMP_WAIT_POLICY=PASSIVE` in the worker's environment (torch's OpenMP threads sleep between
+  parallel regions instead of spinning on cores the daemon needs), for an interleaved A/B;
 - `deepspeed_nvme`: DeepSpeed ZeRO-3 with `offload_param` and `offload_optimizer` on NVMe, in the
   peers' venv (tools/peers/deepspeed_train_worker.py; set up by tools/peers/setup_peers.sh),
   "skipped" with the reason where that venv is missing.
@@ -71,8 +74,15 @@ sys.path.insert(0, str(TOOLS))
 from peers import train_common, worker_protocol  # noqa: E402
 from peers.worker_protocol import Worker  # noqa: E402
 
-CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme", "infinity_nvme_noguess")
+CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme", "infinity_nvme_noguess",
+           "plain_passive", "infinity_nvme_passive")
 NVME_CONFIGS = ("infinity_nvme", "infinity_nvme_noguess")
+PASSIVE = "_passive"  # a subject's suffix: its worker runs with OMP_WAIT_POLICY=PASSIVE
+
+
+def base_config(config: str) -> str:
+    """What a subject runs (`infinity_nvme_passive` runs `infinity_nvme`)."""
+    return config.removesuffix(PASSIVE)
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 DS_WORKER = TOOLS / "peers" / "deepspeed_train_worker.py"
 SEED = 0
@@ -155,7 +165,7 @@ class TrainWorker:
     """The worker's state: its model, optimizer and (for Infinity) daemon."""
 
     def __init__(self, config: str) -> None:
-        self.config = config
+        self.config = base_config(config)
         self.train_step: Callable[[int], float] | None = None
         self.settle: Callable[[], None] = lambda: None
         self.io_counters: Callable[[], dict[str, int]] = worker_protocol.proc_counters
@@ -251,8 +261,9 @@ def start_worker(config: str, folder: str, log_dir: str) -> Worker:
         env = {**os.environ, "DS_ACCELERATOR": "cpu",
                "TORCH_EXTENSIONS_DIR": str(PEERS_DIR / "torch_extensions")}
         return Worker([str(python), str(DS_WORKER)], env=env, stderr_path=log, name=config)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if config.endswith(PASSIVE) else None
     return Worker([sys.executable, str(Path(__file__).resolve()), "--worker", config],
-                  stderr_path=log, name=config)
+                  env=env, stderr_path=log, name=config)
 
 
 class EngineBandwidth:
@@ -321,7 +332,7 @@ def run_model(name: str, model: dict[str, Any], configs: list[str], args: argpar
                 request |= {"swap_dir": os.path.join(folder, "swap"),
                             "buffer_count": args.ds_buffer_count, "lr": LR,
                             "weight_decay": WEIGHT_DECAY}
-            if config in NVME_CONFIGS:
+            if base_config(config) in NVME_CONFIGS:
                 request["nvme_cpu_budget"] = args.nvme_cpu_budget
             if config.startswith("infinity"):
                 request["daemon_settings"] = args.set
@@ -404,7 +415,7 @@ def summarize(result: dict[str, Any], read_gbps: float, write_gbps: float) -> No
         subject["cpu_bound_s"] = round(cpu_s / (os.cpu_count() or 1), 4)
         del subject["io"]
     ratios: dict[str, Any] = {}
-    for peer in ("plain", "deepspeed_nvme"):
+    for peer in ("plain", "plain_passive", "deepspeed_nvme"):
         if peer not in subjects:
             continue
         for config, subject in subjects.items():
