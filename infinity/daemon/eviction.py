@@ -221,7 +221,8 @@ class Eviction:
         if residency.write_error is not None and error_before is None:
             return _RETRY
         being_read = self._bytes_being_read() if prefetch_of is None else 0
-        if being_read and self.arena.budget_bytes - self.arena.used_bytes + covered + being_read >= wanted:
+        free = self.arena.budget_bytes - self.arena.used_bytes
+        if being_read and free + covered + being_read >= wanted:
             # Slices being read into from NVMe (prefetches, mostly) may go once their reads end,
             # which wakes the waiters: wait for them rather than call a busy tier full (free
             # bytes count, though scattered: they may join a slice that goes).
