@@ -20,6 +20,7 @@ from infinity.errors import (AlreadyExistsError, InvalidRequestError, ProtocolEr
 from infinity.protocol import wire
 
 SPAWN = multiprocessing.get_context("spawn")
+MiB = 1 << 20
 WEIGHTS = torch.arange(4096, dtype=torch.float32)
 
 
@@ -249,6 +250,21 @@ def test_read_only_tensors_never_share_a_segment_with_read_write_ones(
         assert _mapping_of(plain.data_ptr())[0].startswith("rw")  # read-write as before
     cpu = reader.stats()["tiers"]["cpu"]
     assert cpu["num_read_only_segments"] == 1
+
+
+def test_an_idle_read_only_segment_never_takes_a_read_write_tensor(daemon: Any) -> None:
+    with daemon.connect("importer") as owner:
+        owner.create_namespace("big", mode="read-only")
+        owner.put("w", torch.zeros(5 * MiB - 3, dtype=torch.int32), namespace="big")  # 20 MiB
+        owner.delete("w", namespace="big")  # its dedicated segment stays, idle, of class "big"
+        assert owner.stats()["tiers"]["cpu"]["num_idle_dedicated_segments"] == 1
+        created = owner.stats()["counters"]["tiers"]["segments_created"]
+        value = torch.arange(5 * MiB - 3, dtype=torch.int32)
+        owner.put("plain", value)  # the same size, read-write: a segment of its own class
+        assert owner.stats()["counters"]["tiers"]["segments_created"] == created + 1
+        with owner.get("plain") as view:
+            assert _mapping_of(view.data_ptr())[0].startswith("rw")
+            assert torch.equal(view, value)
 
 
 def test_when_the_owner_leaves_nobody_writes_its_read_only_namespace(
