@@ -36,7 +36,8 @@ ENV_CONFIG_PATH = "INFINITY_CONFIG"
 # Variables with the prefix that name no setting: the config file's path, and those the
 # project's scripts, build, tests and benchmarks read. Any other INFINITY_* must be a setting.
 NOT_SETTINGS = frozenset({ENV_CONFIG_PATH, "INFINITY_VENV", "INFINITY_BUILD_JOBS",
-                          "INFINITY_NATIVE_ASAN", "INFINITY_TEST_DISK_DIR"})
+                          "INFINITY_NATIVE_ASAN", "INFINITY_TEST_DISK_DIR",
+                          "INFINITY_TEST_WORKERS"})
 # The peers' setup script (tools/peers) reads INFINITY_PEERS_*: no setting table is called that.
 NOT_SETTINGS_PREFIX = "INFINITY_PEERS_"
 

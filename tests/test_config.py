@@ -1,10 +1,11 @@
 """The one configuration loader: file, environment, flags; unknown names are errors."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from infinity.config import TABLES, load_config, settings_as_toml
+from infinity.config import TABLES, is_setting_variable, load_config, settings_as_toml
 from infinity.errors import ConfigError
 
 
@@ -175,3 +176,15 @@ def test_a_cpu_budget_that_is_not_whole_2_mib_granules_is_refused() -> None:
     # 17 MiB: a 16.5 MiB tensor fit the budget but not its granules, and never found room.
     with pytest.raises(ConfigError, match="multiple of 2 MiB"):
         load_config(env={}, overrides={"cpu.budget_bytes": 17 << 20, "cpu.segment_bytes": 4 << 20})
+
+
+def test_every_infinity_variable_the_scripts_read_is_kept_apart_from_the_settings() -> None:
+    # Such a variable, set as the README says (INFINITY_TEST_WORKERS=1), reaches every command
+    # the tests start, whose config loader would refuse it as an unknown setting.
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "setup.py", root / "tests" / "conftest.py", *root.glob("scripts/*.sh"),
+               *root.glob(".ci/*"), *root.glob("tools/**/*.py"), *root.glob("tools/**/*.sh")]
+    names = {name for path in sources if path.is_file()
+             for name in re.findall(r"\bINFINITY_[A-Z][A-Z_]*\b", path.read_text())}
+    assert "INFINITY_TEST_WORKERS" in names  # the scan sees the scripts
+    assert sorted(name for name in names if is_setting_variable(name)) == []
