@@ -79,10 +79,6 @@ CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme", "infinity
 NVME_CONFIGS = ("infinity_nvme", "infinity_nvme_noguess")
 PASSIVE = "_passive"  # a subject's suffix: its worker runs with OMP_WAIT_POLICY=PASSIVE
 
-
-def base_config(config: str) -> str:
-    """What a subject runs (`infinity_nvme_passive` runs `infinity_nvme`)."""
-    return config.removesuffix(PASSIVE)
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 DS_WORKER = TOOLS / "peers" / "deepspeed_train_worker.py"
 SEED = 0
@@ -159,6 +155,11 @@ def io_bound_s(read_bytes: float, write_bytes: float, read_gbps: float,
     """The time the disk needs for a step's bytes at the engine's measured bandwidth: reads at
     its read GB/s plus writes at its overwrite GB/s (the two do not overlap in this bound)."""
     return read_bytes / (read_gbps * 1e9) + write_bytes / (write_gbps * 1e9)
+
+
+def base_config(config: str) -> str:
+    """What a subject runs (`infinity_nvme_passive` runs `infinity_nvme`)."""
+    return config.removesuffix(PASSIVE)
 
 
 class TrainWorker:
