@@ -78,7 +78,6 @@ CONFIGS = ("plain", "infinity_cpu", "infinity_nvme", "deepspeed_nvme", "infinity
            "plain_passive", "infinity_nvme_passive")
 NVME_CONFIGS = ("infinity_nvme", "infinity_nvme_noguess")
 PASSIVE = "_passive"  # a subject's suffix: its worker runs with OMP_WAIT_POLICY=PASSIVE
-
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 DS_WORKER = TOOLS / "peers" / "deepspeed_train_worker.py"
 SEED = 0
