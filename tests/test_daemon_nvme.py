@@ -221,6 +221,27 @@ def test_a_tensor_larger_than_a_segment_empties_whole_segments_for_its_own(store
     client.close()
 
 
+def test_a_tensor_one_segment_can_hold_empties_just_that_segment_and_takes_it_over(
+        store: Store) -> None:
+    client = store.start(**{"cpu.spare_fraction": 0.0}).connect("t")
+    big = pattern(98, 3 * MiB + 4097)  # over half a 4 MiB segment: one of its own, 4 MiB
+    client.write_from("big", big)  # to NVMe only
+    _sixteen_clean_tensors_of_one_mib(client)
+    before = client.stats()
+    with client.get("big") as view:
+        assert same_bytes(view, big)
+    after = client.stats()
+    counters, was = after["counters"]["tiers"], before["counters"]["tiers"]
+    assert counters["evictions"] - was["evictions"] == 4  # one segment's tensors, no more
+    assert counters["segments_created"] == was["segments_created"]  # none retired, none made
+    assert (after["tiers"]["cpu"]["segments_converted"]
+            == before["tiers"]["cpu"]["segments_converted"] + 1)
+    for i in range(16):
+        with client.get(f"t{i}") as view:
+            assert same_bytes(view, pattern(i, MiB))
+    client.close()
+
+
 def test_a_tensor_larger_than_a_segment_evicts_nothing_when_every_segment_is_pinned(
         store: Store) -> None:
     client = store.start(**{"cpu.spare_fraction": 0.0}).connect("t")

@@ -323,6 +323,31 @@ def test_prefetch_leaves_what_is_needed_sooner_in_the_tier(store: PrefetchStore)
     client.close()
 
 
+def test_a_tensor_over_half_a_segment_is_prefetched_into_a_segment_of_tensors_needed_later(
+        store: PrefetchStore) -> None:
+    # An output projection: larger than half of a 4 MiB segment, so it needs one of its own,
+    # read last in every step. Its prefetch empties a segment whose layers all come back only
+    # in the next step (before, it was always a miss: no prefetch emptied segments).
+    client = store.start().connect("trainer")
+    head = torch.arange(3 * MiB // 4 + 11, dtype=torch.float32)
+    client.write_from("head", head)
+    write_layers(client, count=12)
+    order = list(range(12))
+    for _ in range(3):
+        with client.step() as step:
+            for i in order:
+                with client.get(f"layer{i}") as layer:
+                    assert layer[0, 0].item() == i
+                time.sleep(COMPUTE_S)
+            before = scheduler_totals(client, "trainer")
+            with client.get("head") as view:
+                assert torch.equal(view, head)
+            got = difference(scheduler_totals(client, "trainer"), before)
+    assert step.outcome == "replayed"
+    assert got["accesses"] == 1 and got["misses"] == 0, got
+    client.close()
+
+
 # --- several clients ------------------------------------------------------------------------------
 
 def _steps_in_another_process(config: Any, name: str, namespace: str, num_steps: int,

@@ -159,6 +159,48 @@ def test_idle_dedicated_segments_give_their_budget_to_standard_tensors(client: A
             assert bool((view == i).all())
 
 
+def test_an_idle_dedicated_segment_becomes_standard_where_the_budget_has_no_room_for_one(
+        client: Any) -> None:
+    client.put("big", torch.zeros(5 * MiB, dtype=torch.int32))  # 20 MiB of a 64 MiB tier
+    client.delete("big")  # its segment stays, idle
+    values = [torch.full((MiB - 3,), i, dtype=torch.int32) for i in range(12)]  # 4 MiB each
+    for i, value in enumerate(values[:11]):  # 44 MiB: all the budget the idle segment left
+        client.put(f"t{i}", value)
+    before = client.stats()
+    client.put("t11", values[11])  # no budget left: the idle segment takes it, as it is
+    after = client.stats()
+    assert (after["counters"]["tiers"]["segments_created"]
+            == before["counters"]["tiers"]["segments_created"])
+    cpu = after["tiers"]["cpu"]
+    assert cpu["segments_converted"] == before["tiers"]["cpu"]["segments_converted"] + 1
+    assert cpu["num_idle_dedicated_segments"] == 0 and cpu["allocated_bytes"] <= 64 * MiB
+    for i, value in enumerate(values):
+        with client.get(f"t{i}") as view:
+            assert torch.equal(view, value)
+
+
+def test_an_emptied_standard_segment_becomes_the_dedicated_segment_of_a_tensor_its_size(
+        client: Any) -> None:
+    for i in range(16):  # the whole 64 MiB tier: two 4 MiB tensors in each 8 MiB segment
+        client.put(f"t{i}", torch.full((MiB - 5,), i, dtype=torch.int32))
+    client.delete("t0")
+    client.delete("t1")  # the first segment is empty now
+    before = client.stats()
+    value = torch.arange(7 * MiB // 4 + 3, dtype=torch.int32)  # 7 MiB: over half a segment
+    client.put("big", value)
+    after = client.stats()
+    assert (after["counters"]["tiers"]["segments_created"]
+            == before["counters"]["tiers"]["segments_created"])
+    cpu = after["tiers"]["cpu"]
+    assert cpu["segments_converted"] == before["tiers"]["cpu"]["segments_converted"] + 1
+    assert cpu["num_dedicated_segments"] == 1
+    with client.get("big") as view:
+        assert torch.equal(view, value)
+    for i in range(2, 16):
+        with client.get(f"t{i}") as view:
+            assert bool((view == i).all())
+
+
 def test_a_dedicated_segment_made_for_a_client_that_left_meanwhile_is_retired(
         daemon: RunningDaemon, client: Any) -> None:
     leaving = daemon.connect("leaving")

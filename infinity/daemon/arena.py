@@ -9,7 +9,11 @@ still no room.) Emptied, a dedicated segment stays, idle, for the next tensor of
 about its size, and is retired when an allocation needs its budget: an offloaded
 parameter's tensors come and go every step, and creating a segment zero-fills it
 (29% of the daemon's Python-visible samples in a GPT-2 training step before they
-stayed). Ranges inside a segment come from one `ExtentAllocator` per segment
+stayed). Nor is an empty segment retired where it can change kind instead, in the same
+class: an idle dedicated one becomes standard for an allocation the budget has no room
+for, an empty standard one of about a large tensor's size becomes that tensor's dedicated
+segment (a streamed model's output projection, larger than half a segment, comes and goes
+every token). Ranges inside a segment come from one `ExtentAllocator` per segment
 (4 KiB-aligned offsets, so O_DIRECT reads can land in place).
 
 Segments have classes. The default class (None) holds every read-write
@@ -254,6 +258,7 @@ class CpuArena:
         self._planned_bytes = 0  # segments being created
         self._planned: dict[int, SegmentPlan] = {}
         self.used_bytes = 0  # allocated ranges (rounded), all segments
+        self.counters_converted = 0  # empty segments that changed kind instead of being retired
         # Namespaces whose tensors sit in segments of their own class (read-only ones): the class
         # is the namespace's name. Set by the namespace records; asked by every allocation.
         self._namespace_classes: set[str] = set()
@@ -313,6 +318,19 @@ class CpuArena:
             if extent is not None:
                 self.used_bytes += extent.length_bytes
                 return CpuSlice(segment.id, extent.offset_bytes, extent.length_bytes)
+        # An empty segment of the other kind and the same class may change kind instead of
+        # being retired for a new one, which would zero-fill the same bytes again.
+        converted = self._convertible(length, need, dedicated=dedicated,
+                                      segment_class=segment_class)
+        if converted is not None:
+            converted.dedicated = dedicated
+            extent = converted.allocator.allocate(length)
+            assert extent is not None  # empty, and at least `length`
+            self.used_bytes += extent.length_bytes
+            self.counters_converted += 1
+            log.debug("CPU tier: segment %d is now %s", converted.id,
+                      "dedicated" if dedicated else "standard")
+            return CpuSlice(converted.id, extent.offset_bytes, extent.length_bytes)
         # The tier may grow (or is growing): the caller waits for it. (The exception is made in
         # the raise, never kept in a local: this frame, in its traceback, would hold it, a
         # reference cycle per shortage that only the daemon's rare full collections free.)
@@ -330,6 +348,27 @@ class CpuArena:
             f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
             f"and {what} needs {nbytes} more; raise cpu.budget_bytes or delete tensors (with "
             f"nvme.dirs set, tensors that are not leased are evicted to NVMe instead)")
+
+    def fits_dedicated(self, size_bytes: int, need: int) -> bool:
+        """Whether a segment of `size_bytes` may hold, alone, a tensor whose dedicated segment
+        would be `need` bytes (2 MiB granules): at most 1/IDLE_SLACK_DIVISOR of it stranded."""
+        return need <= size_bytes <= need + need // IDLE_SLACK_DIVISOR
+
+    def _convertible(self, length: int, need: int, *, dedicated: bool,
+                     segment_class: str | None) -> Segment | None:
+        """An empty segment of `segment_class` to change kind for an allocation of `length`
+        (`need`: its segment's size if dedicated) rather than retire it for a new segment: for
+        a dedicated allocation, an empty standard segment of about its size (one emptied
+        for it: `segments_to_hold`); for a standard one, an idle dedicated segment, where the budget
+        has no room for a new standard segment (room left: it stays for its tensor)."""
+        if not dedicated and (self.growing or self._room_bytes() >= need):
+            return None
+        fitting = [s for s in self.segments.values()
+                   if s.dedicated != dedicated and s.segment_class == segment_class
+                   and not s.allocator.used_bytes
+                   and (self.fits_dedicated(s.size_bytes, need) if dedicated
+                        else s.size_bytes >= length)]
+        return min(fitting, key=lambda s: s.size_bytes, default=None)
 
     def plan_growth(self, shortage: SpaceShortage) -> SegmentPlan | None:
         """Claim budget for the segment that resolves `shortage`, or None if it no longer fits."""
@@ -403,6 +442,16 @@ class CpuArena:
         need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
         return max(0, need - self._room_bytes() - self._retirable_bytes())
 
+    def segments_to_hold(self, nbytes: int, segment_class: str | None) -> set[int]:
+        """For an allocation of `nbytes` that needs a dedicated segment: the segments in use of
+        `segment_class`, of either kind, that could hold it alone once emptied (a standard one
+        then changes kind, `_convertible`), so that emptying one of them is enough."""
+        length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+        return {s.id for s in self.segments.values()
+                if s.allocator.used_bytes and s.segment_class == segment_class
+                and self.fits_dedicated(s.size_bytes, need)}
+
     def segments_in_use(self) -> list[tuple[int, int, int]]:
         """(segment id, size, bytes in use) of each segment that holds something. Emptied, a
         segment is retired when an allocation it cannot serve needs its budget."""
@@ -461,4 +510,5 @@ class CpuArena:
                                           if s.segment_class is not None),
             "growing_bytes": self._planned_bytes,
             "huge_page_bytes": sum(s.size_bytes for s in self.segments.values() if s.hugepages),
+            "segments_converted": self.counters_converted,
         }

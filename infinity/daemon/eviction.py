@@ -29,6 +29,7 @@ from infinity.daemon.growth import TierSpace
 from infinity.daemon.policy import EvictionPolicy
 from infinity.daemon.residency import Callback, Residency, TierCounters, WriteBack
 from infinity.daemon.scheduler import Scheduler
+from infinity.daemon.scheduler.eviction import later
 from infinity.errors import InfinityError, IOEngineError, LeaseError, TierFullError
 from infinity.store.nvme import GrowthNeeded, NvmeWrite, TensorLayout
 
@@ -143,7 +144,8 @@ class Eviction:
                     raise full
                 finally:
                     del full  # raised from here, it would hold this frame again
-            outcome = self._evict_for(nbytes, prefetch_of=prefetch_of)
+            outcome = self._evict_for(nbytes, prefetch_of=prefetch_of,
+                                      segment_class=segment_class)
             if outcome in (_FREED, _RETRY):
                 continue
             if outcome == _PENDING:
@@ -165,15 +167,22 @@ class Eviction:
 
     # --- choosing victims ---------------------------------------------------------------------
 
-    def _evict_for(self, nbytes: int, *, prefetch_of: Key | None = None) -> str:
+    def _evict_for(self, nbytes: int, *, prefetch_of: Key | None = None,
+                   segment_class: str | None = None) -> str:
         """Free CPU space for an allocation of `nbytes`: _FREED (retry now), _PENDING (victims
         are being written back: wait for `when_space`), _RETRY (a write-back failed at once:
         choose again without dirty victims) or _NOTHING (nothing may go)."""
         if self.arena.segment_bytes_to_empty(nbytes):
             # Victims chosen tensor by tensor free bytes all over the segments, and a tensor
             # larger than a segment needs whole segments emptied to make the budget for its
-            # own: it could evict the whole tier and still not fit.
-            return _NOTHING if prefetch_of is not None else self._empty_segments_for(nbytes)
+            # own: it could evict the whole tier and still not fit. A prefetch empties only
+            # segments whose every tensor is needed after the prefetched one.
+            if prefetch_of is None:
+                return self._empty_segments_for(nbytes, segment_class)
+            if self.scheduler is None:
+                return _NOTHING
+            return self._empty_segments_for(nbytes, segment_class,
+                                            later_than_s=self.scheduler.next_use_s(prefetch_of))
         residency = self.residency
         candidates = residency.candidates
         ahead = self.config.nvme.write_behind_bytes
@@ -233,21 +242,27 @@ class Eviction:
         return sum(load.piece.length for load in self.residency.loads.values()
                    if load.piece is not None)
 
-    def _empty_segments_for(self, nbytes: int) -> str:
+    def _empty_segments_for(self, nbytes: int, segment_class: str | None, *,
+                            later_than_s: float | None = None) -> str:
         """Evict every tensor of the fewest-used segments whose bytes all belong to
         tensors that may go (or are going), until retiring them makes the budget for the
         dedicated segment of an allocation of `nbytes`: _FREED, _PENDING (dirty ones are
-        written back first), or _NO_SEGMENT, evicting nothing, if those cannot make it."""
+        written back first), or _NO_SEGMENT, evicting nothing, if those cannot make it.
+        One segment that can hold the tensor alone once emptied (`segments_to_hold`) is
+        enough, and goes first: it changes kind, no segment is retired or created.
+        `later_than_s` (a prefetch's): only tensors whose next use is later than that may go."""
         short = self.arena.segment_bytes_to_empty(nbytes)
         residency = self.residency
         candidates = residency.candidates
+        scheduler = self.scheduler
         going: dict[int, int] = {}  # segment -> bytes of its tensors that may go or are going
         members: dict[int, list[Version]] = {}
         for key, version in residency.resident.items():
             piece = version.cpu
             if piece is None:
                 continue
-            if key in candidates:
+            if key in candidates and (later_than_s is None or scheduler is None
+                                      or later(scheduler.next_use_s(key), later_than_s)):
                 members.setdefault(piece.segment, []).append(version)
             else:
                 writeback = residency.writebacks.get(version)
@@ -261,19 +276,27 @@ class Eviction:
             if load.piece is not None:
                 reading[load.piece.segment] = reading.get(load.piece.segment, 0) + load.piece.length
         chosen: list[int] = []
-        made = later = 0
-        for segment, size, used in sorted(self.arena.segments_in_use(), key=lambda s: s[2]):
+        made = after_reads = 0
+        in_use = sorted(self.arena.segments_in_use(), key=lambda s: s[2])
+        holders = self.arena.segments_to_hold(nbytes, segment_class)
+        alone = [s for s in in_use if s[0] in holders and going.get(s[0], 0) == s[2]]
+        if alone:
+            chosen.append(alone[0][0])
+            made = short
+        for segment, size, used in in_use:
             if made >= short:
                 break
             if going.get(segment, 0) == used:
                 chosen.append(segment)
                 made += size
             elif going.get(segment, 0) + reading.get(segment, 0) == used:
-                later += size
+                after_reads += size
         if made < short:
+            if later_than_s is not None:
+                return _NOTHING  # a prefetch waits for nothing: it is skipped (and asked again)
             # Where segments busy with reads would make it, wait for them (a load's end wakes
             # the waiters) rather than fail.
-            if made + later >= short:
+            if made + after_reads >= short:
                 return _PENDING
             return _PENDING if self.space.spares_in_the_way() else _NO_SEGMENT
         freed = False
