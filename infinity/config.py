@@ -248,9 +248,12 @@ class SchedulerConfig:
     # The prefetch lookahead, in bytes, is the read bandwidth (this stream's share)
     # times the expected compute time of the next `lookahead_accesses` accesses,
     # and at least `lookahead_min_s` of disk time (it covers latency when the
-    # client's accesses come in bursts).
+    # client's accesses come in bursts, and keeps the disk busy where the next
+    # accesses are a streamed model's small tensors: from 0.01 s to 0.05 s, a 1.1B
+    # Llama's tokens took 14% less time, int8 and bf16, docs/BENCHMARKS.md; a
+    # training step's next accesses already take longer than that).
     lookahead_accesses: int = 4
-    lookahead_min_s: float = 0.01
+    lookahead_min_s: float = 0.05
     # The upcoming data a stream may hold in the tier (resident, in flight and
     # planned), as a fraction of the tier, split evenly between prefetching streams.
     lookahead_max_fraction: float = 0.5
