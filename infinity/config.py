@@ -251,7 +251,7 @@ class SchedulerConfig:
     # client's accesses come in bursts, and keeps the disk busy where the next
     # accesses are a streamed model's small tensors: from 0.01 s to 0.05 s, a 1.1B
     # Llama's tokens took 14% less time, int8 and bf16, docs/BENCHMARKS.md; a
-    # training step's next accesses already take longer than that).
+    # training step's next four accesses take about that long already).
     lookahead_accesses: int = 4
     lookahead_min_s: float = 0.05
     # The upcoming data a stream may hold in the tier (resident, in flight and
