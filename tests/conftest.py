@@ -75,6 +75,16 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+# A suite started in the background of a non-interactive shell (`bash scripts/test.sh &`, nohup)
+# inherits SIGINT and SIGQUIT ignored (POSIX), and so would every process it starts: Python keeps
+# an inherited SIG_IGN, so the tests that press ctrl-c on a CLI (`test_daemon_lifecycle`,
+# `test_monitor_top`) waited 30 s for children that never heard it. Give them what a terminal
+# gives: the default dispositions, in this process and so in its children.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
 # Small tiers and short timeouts keep the daemon suite fast; tests override what they exercise.
 DAEMON_TEST_SETTINGS: dict[str, Any] = {
     "cpu.budget_bytes": 64 * 1024 * 1024,
