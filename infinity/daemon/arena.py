@@ -205,6 +205,13 @@ def _collapse(segment: int, fd: int, size_bytes: int) -> bool:
     return not failed
 
 
+def _dedicated_size(nbytes: int) -> int:
+    """The size of the dedicated segment an allocation of `nbytes` gets: 4 KiB-aligned, then
+    whole 2 MiB granules."""
+    length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+    return -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+
+
 def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
     """Create, map, prefault (and optionally lock) a segment. Blocking: runs off the loop thread."""
     fd = _shared_memory_fd(f"infinity-seg-{plan.segment}")
@@ -436,18 +443,15 @@ class CpuArena:
         """For an allocation of `nbytes` that needs a dedicated segment: the bytes of segments
         holding something that must be emptied (then retired) before that segment fits the
         budget; 0 when it fits already, or the allocation needs no dedicated segment."""
-        length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        if not self.needs_dedicated(length):
+        if not self.needs_dedicated(nbytes):
             return 0
-        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
-        return max(0, need - self._room_bytes() - self._retirable_bytes())
+        return max(0, _dedicated_size(nbytes) - self._room_bytes() - self._retirable_bytes())
 
     def segments_to_hold(self, nbytes: int, segment_class: str | None) -> set[int]:
         """For an allocation of `nbytes` that needs a dedicated segment: the segments in use of
         `segment_class`, of either kind, that could hold it alone once emptied (a standard one
         then changes kind, `_convertible`), so that emptying one of them is enough."""
-        length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+        need = _dedicated_size(nbytes)
         return {s.id for s in self.segments.values()
                 if s.allocator.used_bytes and s.segment_class == segment_class
                 and self.fits_dedicated(s.size_bytes, need)}
