@@ -314,7 +314,7 @@ class CpuArena:
                 f"client.write_from(name, src) / client.read_into(name, out) (needs nvme.dirs)")
         length = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
         dedicated = self.needs_dedicated(length)
-        need = -(-length // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES if dedicated else length
+        need = _dedicated_size(length) if dedicated else length
         for segment in self.segments.values():
             if segment.dedicated != dedicated or segment.segment_class != segment_class:
                 continue
@@ -365,9 +365,9 @@ class CpuArena:
                      segment_class: str | None) -> Segment | None:
         """An empty segment of `segment_class` to change kind for an allocation of `length`
         (`need`: its segment's size if dedicated) rather than retire it for a new segment: for
-        a dedicated allocation, an empty standard segment of about its size (one emptied
-        for it: `segments_to_hold`); for a standard one, an idle dedicated segment, where the budget
-        has no room for a new standard segment (room left: it stays for its tensor)."""
+        a dedicated allocation, an empty standard segment of about its size (one emptied for
+        it: `segments_to_hold`); for a standard one, an idle dedicated segment, where the
+        budget has no room for a new standard segment (room left: it stays for its tensor)."""
         if not dedicated and (self.growing or self._room_bytes() >= need):
             return None
         fitting = [s for s in self.segments.values()
@@ -380,7 +380,7 @@ class CpuArena:
     def plan_growth(self, shortage: SpaceShortage) -> SegmentPlan | None:
         """Claim budget for the segment that resolves `shortage`, or None if it no longer fits."""
         if shortage.dedicated:
-            size = -(-shortage.nbytes // SEGMENT_GRANULE_BYTES) * SEGMENT_GRANULE_BYTES
+            size = _dedicated_size(shortage.nbytes)
         else:
             size = min(self.config.segment_bytes, self._room_bytes())
         if size < shortage.nbytes or size > self._room_bytes() or size <= 0:

@@ -280,7 +280,7 @@ class Eviction:
         in_use = sorted(self.arena.segments_in_use(), key=lambda s: s[2])
         holders = self.arena.segments_to_hold(nbytes, segment_class)
         alone = [s for s in in_use if s[0] in holders and going.get(s[0], 0) == s[2]]
-        if alone:
+        if alone:  # emptied, it changes kind: no budget to make, the loop below adds nothing
             chosen.append(alone[0][0])
             made = short
         for segment, size, used in in_use:
