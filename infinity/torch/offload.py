@@ -56,6 +56,11 @@ the instance by `_Unit.embedding_forward`) reads just the rows its input looks u
 (`client.read_rows`) and looks them up in that small table; a decode step reads one 1 MiB block
 of the table, not the table.
 
+An inference module computing on the CPU leases each block's units (the elements of an
+`nn.ModuleList` holding two units or more, such as decoder layers) with one request when the
+block's forward starts, from its second forward on (`infinity.torch.lease_groups`): a round trip to
+the daemon costs a few tenths of a millisecond, and a decoder layer has 7-9 units.
+
 Listeners (`gradient_listeners`, `backward_listeners`) hear of each gradient once it is stored
 and of each backward's end: the optimizer's speculative step (`infinity.torch.optim`) sends its
 guesses from there. A unit whose lease finds the CPU tier full waits for the daemon's work for
@@ -87,6 +92,7 @@ from infinity.torch.device_params import DeviceParams, compute_device, device_bu
 from infinity.torch.distributed import NodeRanks, node_ranks
 from infinity.torch.from_store import (dtypes_in_store, give_values_to_meta_parameters,
                                        quantized_copies)
+from infinity.torch.lease_groups import LeaseGroup
 from infinity.torch.quantize import FUSED_MAX_ROWS, DequantBuffers, QuantizedWeight, linear
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
@@ -198,6 +204,7 @@ class _Unit:
         self.slots = [(slot, param) for slot, param in module._parameters.items()
                       if param is not None]
         self.lease: Any = None
+        self.group: LeaseGroup | None = None  # its block's, where it leases with the block
         self.depth = 0              # forward calls in progress (a module may be called twice)
         self.in_backward = False
         self.grads_left = 0
@@ -245,7 +252,11 @@ class _Unit:
         if self.lease is not None or self.by_rows is not None:
             return
         self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
-        if self.state.device_params is not None:
+        borrowed = self.group.take(self) if self.group is not None else None
+        lease: Any
+        if borrowed is not None:
+            lease = borrowed  # its block's forward leased it with the block's other units
+        elif self.state.device_params is not None:
             lease = self.state.device_params.lease(self.names)  # released as a store lease is
         else:
             try:
@@ -692,6 +703,39 @@ def _read_embedding_by_rows(unit: _Unit) -> None:
     module.forward = unit.embedding_forward  # type: ignore[method-assign]
 
 
+def _lease_blocks_together(state: OffloadState, model: nn.Module) -> None:
+    """Give each block of an inference module (an element of an nn.ModuleList, such as a
+    decoder layer, holding two units or more) one lease for its units, taken when the block's
+    forward starts and given back when it ends (`infinity.torch.lease_groups`). The outermost
+    list's blocks win; units that read rows lease nothing and stay out."""
+    by_module = {id(unit.module): unit for unit in state.units if unit.by_rows is None}
+    namespace = state.config.namespace
+    grouped: set[int] = set()
+
+    def lease(names: list[str]) -> Any:
+        return state.client.get_many(names, namespace=namespace)
+
+    def settle(units: Any) -> None:
+        state.settle_steps([entry for unit in units for entry in unit.entries])
+
+    for list_name, blocks in model.named_modules():
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for index, block in enumerate(blocks):
+            units = [by_module[id(module)] for module in block.modules()
+                     if id(module) in by_module and id(module) not in grouped]
+            if len(units) < 2:
+                continue
+            group = LeaseGroup(f"{list_name}.{index}", lease=lease, settle=settle,
+                               release_unit=_Unit.release)
+            for unit in units:
+                unit.group = group
+                grouped.add(id(unit.module))
+            block.register_forward_pre_hook(lambda m, a, group=group: group.begin())
+            block.register_forward_hook(lambda m, a, o, group=group: group.end(),
+                                        always_call=True)
+
+
 def _wait_quietly(pending: Any) -> None:
     """Wait for a PendingAdamStep (None: nothing to wait for) whose error someone else raises."""
     if pending is not None:
@@ -879,6 +923,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     if inference and copier is None and computes_on.type == "cpu":
         for unit in state.units:
             _read_embedding_by_rows(unit)
+        _lease_blocks_together(state, model)
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.
     plain_zero_grad = model.zero_grad

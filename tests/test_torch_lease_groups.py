@@ -1,0 +1,165 @@
+"""Lease groups: an inference module leases each block's units (a decoder layer's linear layers
+and norms) in one request, from its second forward on, and computes exactly what it did."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from infinity.torch import empty_parameters, offload
+from tiny_models import llama
+
+from conftest import PREFETCH_SETTINGS
+
+
+def count_leases(client: Any) -> list[list[str]]:
+    """Record the names of each `get_many` the client makes from now on."""
+    calls: list[list[str]] = []
+    plain = client.get_many
+
+    def get_many(names: Any, **kwargs: Any) -> Any:
+        calls.append(list(names))
+        return plain(names, **kwargs)
+
+    client.get_many = get_many
+    return calls
+
+
+def offload_from_store(build: Callable[[], nn.Module], client: Any,
+                       namespace: str) -> tuple[nn.Module, nn.Module]:
+    """The model in memory, and a copy built empty that computes with the store's values."""
+    reference = build().eval()
+    for name, param in reference.named_parameters():  # one at a time: a small tier holds each
+        client.put(name, param.detach().contiguous(), namespace=namespace)
+    with empty_parameters():
+        model = build().eval()
+    offload(model, client, namespace=namespace, from_store=True, inference=True)
+    return reference, model
+
+
+def layer_names(model: nn.Module, index: int) -> set[str]:
+    return {name for name, _ in model.named_parameters()
+            if name.startswith(f"model.layers.{index}.")}
+
+
+def test_from_its_second_forward_each_decoder_layer_leases_its_units_in_one_request(
+        client: Any) -> None:
+    reference, model = offload_from_store(llama, client, "groups")
+    tokens = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(4))
+    calls = count_leases(client)
+    with torch.no_grad():
+        model(tokens)
+        first = len(calls)
+        model(tokens)
+    second = calls[first:]
+    for index in range(2):
+        names = layer_names(model, index)
+        with_layer = [call for call in second if names & set(call)]
+        assert len(with_layer) == 1
+        assert set(with_layer[0]) == names
+    assert len(second) < first
+
+
+def test_the_first_forward_leases_unit_by_unit(client: Any) -> None:
+    reference, model = offload_from_store(llama, client, "first")
+    tokens = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(5))
+    calls = count_leases(client)
+    with torch.no_grad():
+        model(tokens)
+    layer = model.model.layers[0]
+    units = [module for module in layer.modules() if list(module.parameters(recurse=False))]
+    names = layer_names(model, 0)
+    assert len([call for call in calls if names & set(call)]) == len(units) > 2
+
+
+def test_generation_with_group_leases_equals_the_model_in_memory_and_leaves_no_lease(
+        client: Any) -> None:
+    reference, model = offload_from_store(llama, client, "generate")
+    prompt = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(prompt)
+    calls = count_leases(client)
+    got = model.generate(prompt, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    expected = reference.generate(prompt, attention_mask=mask, max_new_tokens=7,
+                                  do_sample=False)
+    assert torch.equal(got, expected)
+    whole_layer = layer_names(model, 1)
+    assert any(set(call) == whole_layer for call in calls)
+    assert client.stats()["clients"][0]["leases"] == 0
+
+
+class Block(nn.Module):
+    """Two linear layers; the second is used only while `use_second` is set."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.second = nn.Linear(width, width)
+        self.use_second = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.first(x))
+        return self.second(x) if self.use_second else x
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int, num_blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(21)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def set_second(model: Stack, used: bool) -> None:
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        block.use_second = used
+
+
+def test_a_block_leases_only_the_units_its_last_forward_used(client: Any) -> None:
+    reference, model = offload_from_store(lambda: Stack(13, 2), client, "skips")
+    assert isinstance(model, Stack) and isinstance(reference, Stack)
+    x = torch.randn(3, 13, generator=torch.Generator().manual_seed(7))
+    calls = count_leases(client)
+
+    def forward(used: bool) -> list[list[str]]:
+        set_second(model, used)
+        set_second(reference, used)
+        start = len(calls)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        return [sorted(call) for call in calls[start:]]
+
+    forward(True)  # unit by unit, recorded
+    forward(False)  # the record leases both, the forward uses the first
+    first_only = forward(False)
+    assert first_only == [["blocks.0.first.bias", "blocks.0.first.weight"],
+                          ["blocks.1.first.bias", "blocks.1.first.weight"]]
+    again = forward(True)  # the second leases alone, then both are recorded
+    assert ["blocks.0.second.bias", "blocks.0.second.weight"] in again
+    assert len(forward(True)) == 2
+    assert client.stats()["clients"][0]["leases"] == 0
+
+
+def test_a_block_larger_than_the_cpu_tier_leases_unit_by_unit(
+        daemon_factory: Callable[..., Any]) -> None:
+    # An 8 MiB tier: each linear layer (1023 x 1023 float32, 4.2 MB) fits, a block's two do not.
+    daemon = daemon_factory(nvme_tier=True, **PREFETCH_SETTINGS)
+    client = daemon.connect("groups")
+    try:
+        reference, model = offload_from_store(lambda: Stack(1023, 2), client, "large")
+        x = torch.randn(2, 1023, generator=torch.Generator().manual_seed(8))
+        calls = count_leases(client)
+        for _ in range(3):
+            with torch.no_grad():
+                assert torch.equal(model(x), reference(x))
+        assert [len(call) for call in calls[4:5]] == [4]  # the second forward tried the block
+        assert all(len(call) == 2 for call in calls[-4:])  # then a weight and its bias
+        assert client.stats()["clients"][0]["leases"] == 0
+    finally:
+        client.close()
