@@ -189,7 +189,11 @@ class GenerateWorker:
                 self.daemon, config = start_daemon(request["folder"], request["settings"])
             else:  # attach to a running one
                 config = load_config(env={}, overrides=[f"daemon.runtime_dir={request['runtime_dir']}"])
-            self.client = infinity.connect(config=config, name=request.get("name", "bench-infer"))
+            # The daemon keeps a step trace per namespace and client name, across restarts:
+            # each subject has a name of its own, as separate programs would, so that a bf16
+            # turn does not replay the int8 turn's trace (and load its first steps on demand).
+            self.client = infinity.connect(config=config,
+                                           name=request.get("name", f"bench-infer-{self.config}"))
             self.model = load_causal_lm(self.client, namespace=NAMESPACE,
                                         quantization=FORMS.get(self.config))
         return {"load_s": time.perf_counter() - started,
