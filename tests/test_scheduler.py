@@ -177,25 +177,34 @@ def test_changed_order_is_one_divergence_and_nothing_more_is_prefetched_in_that_
     assert totals["unexpected_accesses"] == 3
     summary = sched.step_end(TRAINER, now + 0.01)
     assert summary.outcome == "diverged" and summary.trace_updated
-    assert sched.export_trace(TRAINER) is None  # the daemon deletes what it persisted
+    trace = sched.export_trace(TRAINER)  # the daemon persists the step's own order instead
+    assert trace is not None and len(trace["entries"]) == 7
 
 
-def test_step_after_a_divergence_records_the_new_order_and_the_next_replays_it() -> None:
+def test_the_order_of_a_step_that_diverged_is_replayed_by_the_next_step() -> None:
     sched = scheduler(lookahead_max_fraction=1.0)
     order = keys(12)
     new_order = list(reversed(order))
     end = run_step(sched, order, start_s=0.0)
     end = run_step(sched, new_order, start_s=end)  # diverges
+    assert client(sched)["totals"]["traces_recorded"] == 2
     sched.step_begin(TRAINER, end)
-    assert client(sched)["state"] == "recording"
+    assert client(sched)["state"] == "replaying"
     sched.touched(TRAINER, new_order[0], MiB, end + 0.01)
-    assert sched.plan_prefetch() == []  # recording: nothing to go on
+    assert sched.plan_prefetch()[:2] == new_order[1:3]
     for i, key in enumerate(new_order[1:], start=2):
         sched.touched(TRAINER, key, MiB, end + 0.01 * i)
-    assert sched.step_end(TRAINER, end + 0.2).outcome == "recorded"
-    sched.step_begin(TRAINER, end + 0.3)
-    sched.touched(TRAINER, new_order[0], MiB, end + 0.31)
-    assert sched.plan_prefetch()[:2] == new_order[1:3]
+    assert sched.step_end(TRAINER, end + 0.2).outcome == "replayed"
+
+
+def test_a_diverged_step_too_long_to_record_leaves_the_next_step_to_record() -> None:
+    sched = scheduler(trace_max_entries=16)
+    end = run_step(sched, keys(12), start_s=0.0)
+    end = run_step(sched, [k(100 + i) for i in range(20)], start_s=end)  # diverges, 20 > 16
+    assert client(sched)["last_step"]["outcome"] == "diverged"
+    assert sched.export_trace(TRAINER) is None
+    sched.step_begin(TRAINER, end)
+    assert client(sched)["state"] == "recording"
 
 
 def test_small_reorder_within_the_window_is_not_a_divergence() -> None:
@@ -229,9 +238,7 @@ def test_new_tensors_read_between_traced_ones_step_after_step_are_learnt() -> No
     end = run_step(sched, interleaved, start_s=end)
     assert client(sched)["last_step"]["outcome"] == "replayed"  # could be a one-off detour
     end = run_step(sched, interleaved, start_s=end)
-    assert client(sched)["last_step"]["outcome"] == "diverged"
-    end = run_step(sched, interleaved, start_s=end)
-    assert client(sched)["last_step"]["outcome"] == "recorded"
+    assert client(sched)["last_step"]["outcome"] == "diverged"  # its order is the trace now
     sched.step_begin(TRAINER, end)
     sched.touched(TRAINER, interleaved[0], MiB, end + 0.01)
     assert sched.plan_prefetch()[:2] == interleaved[1:3]  # the new tensors are prefetched too

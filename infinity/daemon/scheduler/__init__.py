@@ -40,7 +40,8 @@ Rules it enforces:
   Pinned (leased) tensors are never chosen.
 - After an access that breaks the trace's order, nothing more is prefetched
   for that client until it is back on the trace; a step that left the trace
-  drops it, and the next step records a new one.
+  replaces it with its own order (it recorded while replaying), which the
+  next step replays.
 - Streams share the engine and the tier: every stream that is loading,
   waiting or has something to prefetch competes; none may get more than one
   quantum of bytes ahead of the least served of them (unless the engine

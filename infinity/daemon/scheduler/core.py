@@ -158,10 +158,9 @@ class Scheduler:
                 kind = AccessKind.MISS
             s.add(_COUNTER_OF[kind])
 
-        if s.state is StreamState.RECORDING:
-            assert s.recorder is not None
+        if s.recorder is not None:  # a replaying step records too (see `Steps`)
             s.recorder.observe(key, nbytes, gap_s, write=write)
-        elif s.state is StreamState.REPLAYING:
+        if s.state is StreamState.REPLAYING:
             self._steps.replay_access(s, key, gap_s)
         return kind
 

@@ -7,7 +7,10 @@ everything that happens to one between the daemon's step markers:
   step with a trace replays it (`Replay`), its timing refreshed at the end;
 - after an access that breaks the trace's order the stream stops being
   indexed (so nothing is prefetched for it) until it is back on the trace; a
-  step that left the trace drops it, and the next step records a new one;
+  replaying step records its accesses too, so a step that left the trace
+  replaces it with its own order, which the next step replays (not records:
+  a model that changes for good, such as another quantized form under the
+  same client name, costs one step without prefetch, not two);
 - waits and stalls, so that waiting for data stays out of the trace's timing;
 - clients leaving and coming back, and traces kept for clients gone.
 
@@ -121,13 +124,14 @@ class Steps:
         s.last_access_s = now_s
         s.stall_in_gap_s = 0.0
         s.add("steps")
+        # A replaying step records as well: should it leave the trace, its order replaces it.
+        s.recorder = Recorder(max_entries=self._config.trace_max_entries)
         if s.trace is not None:
             s.state = StreamState.REPLAYING
             s.replay = Replay(s.trace, window=self._config.divergence_window)
             s.epoch += 1  # absolute positions run on: the index stays valid
         else:
             s.state = StreamState.RECORDING
-            s.recorder = Recorder(max_entries=self._config.trace_max_entries)
         self._nextuse.sync(s)
         return ended
 
@@ -157,18 +161,8 @@ class Steps:
         updated = False
         unconsumed: list[TensorKey] = []
         if s.state is StreamState.RECORDING:
-            assert s.recorder is not None
-            trace = s.recorder.finish(step_gap_s=s.step_gap_s or 0.0)
-            if trace is not None:
-                self._nextuse.drop(s)
-                s.trace = trace
-                s.off_trace_before = frozenset()
-                s.epoch = 0
-                s.add("traces_recorded")
-                updated = True
-                outcome = "recorded"
-            else:
-                outcome = "not_recorded"
+            outcome = "recorded" if self._adopt_recording(s) else "not_recorded"
+            updated = outcome == "recorded"
         else:
             replay = s.replay
             assert replay is not None
@@ -184,8 +178,10 @@ class Steps:
             else:
                 if not replay.diverged:
                     s.add("divergences")  # left the trace at the very end (too short, or extra accesses)
-                # The order changed: the next step records a new trace.
-                s.trace = None
+                # The order changed: this step's own order is the trace from the next step on
+                # (none where it was too long to record: the next step records then).
+                if not self._adopt_recording(s):
+                    s.trace = None
                 updated = True
                 outcome = "diverged"
         started = s.step_started_s if s.step_started_s is not None else now_s
@@ -202,6 +198,18 @@ class Steps:
         self._nextuse.sync(s)
         self._nextuse.reindex_resident(s, unconsumed)
         return StepSummary(s.key, outcome, updated, len(s.trace or ()), counters)
+
+    def _adopt_recording(self, s: Stream) -> bool:
+        """Make what the step recorded the stream's trace; False if it recorded none."""
+        trace = s.recorder.finish(step_gap_s=s.step_gap_s or 0.0) if s.recorder else None
+        if trace is None:
+            return False
+        self._nextuse.drop(s)
+        s.trace = trace
+        s.off_trace_before = frozenset()
+        s.epoch = 0
+        s.add("traces_recorded")
+        return True
 
     def replay_access(self, s: Stream, key: TensorKey, gap_s: float) -> None:
         """A replaying stream's access: move its cursor, count skips and strays, and keep its
