@@ -57,9 +57,10 @@ the instance by `_Unit.embedding_forward`) reads just the rows its input looks u
 of the table, not the table.
 
 An inference module computing on the CPU leases each block's units (the elements of an
-`nn.ModuleList` holding two units or more, such as decoder layers) with one request when the
-block's forward starts, from its second forward on (`infinity.torch.lease_groups`): a round trip to
-the daemon costs a few tenths of a millisecond, and a decoder layer has 7-9 units.
+`nn.ModuleList` holding two units or more, such as decoder layers) in runs, one request for
+several units of up to a sixteenth of the CPU tier together, from the block's second forward on
+(`infinity.torch.lease_groups`): a round trip to the daemon costs a few tenths of a millisecond,
+and a decoder layer has 7-9 units.
 
 Listeners (`gradient_listeners`, `backward_listeners`) hear of each gradient once it is stored
 and of each backward's end: the optimizer's speculative step (`infinity.torch.optim`) sends its
@@ -703,10 +704,11 @@ def _read_embedding_by_rows(unit: _Unit) -> None:
     module.forward = unit.embedding_forward  # type: ignore[method-assign]
 
 
-def _lease_blocks_together(state: OffloadState, model: nn.Module) -> None:
-    """Give each block of an inference module (an element of an nn.ModuleList, such as a
-    decoder layer, holding two units or more) one lease for its units, taken when the block's
-    forward starts and given back when it ends (`infinity.torch.lease_groups`). The outermost
+def _lease_blocks_together(state: OffloadState, model: nn.Module, *,
+                           max_run_bytes: int) -> None:
+    """Let the units of each block of an inference module (an element of an nn.ModuleList,
+    such as a decoder layer, holding two units or more) lease in runs of at most
+    `max_run_bytes` together, one request a run (`infinity.torch.lease_groups`). The outermost
     list's blocks win; units that read rows lease nothing and stay out."""
     by_module = {id(unit.module): unit for unit in state.units if unit.by_rows is None}
     namespace = state.config.namespace
@@ -727,13 +729,21 @@ def _lease_blocks_together(state: OffloadState, model: nn.Module) -> None:
             if len(units) < 2:
                 continue
             group = LeaseGroup(f"{list_name}.{index}", lease=lease, settle=settle,
-                               release_unit=_Unit.release)
+                               release_unit=_Unit.release, size_of=_leased_bytes,
+                               max_bytes=max_run_bytes)
             for unit in units:
                 unit.group = group
                 grouped.add(id(unit.module))
             block.register_forward_pre_hook(lambda m, a, group=group: group.begin())
             block.register_forward_hook(lambda m, a, o, group=group: group.end(),
                                         always_call=True)
+
+
+def _leased_bytes(unit: _Unit) -> int:
+    """The bytes a unit's lease holds: its quantized copies', or its parameters'."""
+    return sum(entry.quantized.nbytes if entry.quantized is not None
+               else entry.placeholder.numel() * entry.placeholder.element_size()
+               for entry in unit.entries)
 
 
 def _wait_quietly(pending: Any) -> None:
@@ -923,7 +933,7 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     if inference and copier is None and computes_on.type == "cpu":
         for unit in state.units:
             _read_embedding_by_rows(unit)
-        _lease_blocks_together(state, model)
+        _lease_blocks_together(state, model, max_run_bytes=max(1, tier_bytes // 16))
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.
     plain_zero_grad = model.zero_grad
