@@ -106,10 +106,12 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, width: int, num_blocks: int) -> None:
+    """Blocks of `kind` (seeded), one after the other."""
+
+    def __init__(self, width: int, num_blocks: int, kind: type[nn.Module] = Block) -> None:
         super().__init__()
         torch.manual_seed(21)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(kind(width) for _ in range(num_blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -160,24 +162,12 @@ class Triple(nn.Module):
         return self.layers(x)
 
 
-class TripleStack(nn.Module):
-    def __init__(self, width: int, num_blocks: int) -> None:
-        super().__init__()
-        torch.manual_seed(23)
-        self.blocks = nn.ModuleList(Triple(width) for _ in range(num_blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_a_run_holds_at_most_a_sixteenth_of_the_cpu_tier(client: Any) -> None:
     # The test tier is 64 MiB: a run holds at most 4 MiB. Each layer leases 1.96 MB (701 x 699
     # float32 and a bias): two make a run, the third is the next one.
     tier_bytes = client.stats()["tiers"]["cpu"]["budget_bytes"]
     assert 2 * (701 * 700 * 4) <= tier_bytes // 16 < 3 * (701 * 700 * 4)
-    reference, model = offload_from_store(lambda: TripleStack(701, 2), client, "runs")
+    reference, model = offload_from_store(lambda: Stack(701, 2, Triple), client, "runs")
     x = torch.randn(3, 701, generator=torch.Generator().manual_seed(9))
     calls = count_leases(client)
     for _ in range(2):
