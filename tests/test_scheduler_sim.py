@@ -241,8 +241,7 @@ def test_prefetch_never_evicted_a_tensor_needed_before_the_one_it_loaded() -> No
         assert next_access(victim, time_s) >= next_access(loaded, time_s), (time_s, victim, loaded)
 
 
-def test_changed_order_in_a_running_simulation_stops_prefetch_and_is_learnt_in_that_step(
-        ) -> None:
+def test_changed_order_in_a_simulation_stops_prefetch_and_is_learnt_in_that_step() -> None:
     sim = SimDaemon(tier_bytes=16 * MiB, bandwidth_bytes_per_s=2 * GiB)
     keys = layers("model", 64, 1 * MiB, sim)
     stream = ("model", "trainer")

@@ -35,9 +35,10 @@ STEP_OUTCOMES = ("recorded", "not_recorded", "replayed", "diverged", "no_step", 
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """How a step went: `outcome` is recorded (a new trace), not_recorded (too long or empty),
-    replayed (it followed the trace), diverged (the order changed: this step's own order
-    is the trace from the next step on), no_step (an end without a begin) or untracked (this infinityd has no NVMe tier, so
-    nothing is scheduled). `counters`: the step's accesses, hits, misses, bytes, stall."""
+    replayed (it followed the trace), diverged (the order changed: this step's own order is
+    the trace from the next step on), no_step (an end without a begin) or untracked (this
+    infinityd has no NVMe tier, so nothing is scheduled). `counters`: the step's accesses,
+    hits, misses, bytes, stall."""
 
     outcome: str
     trace_entries: int
