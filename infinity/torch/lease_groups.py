@@ -5,7 +5,8 @@ even for tensors already resident (a bare ZeroMQ round trip between two processe
 us on the project machine: four thread wake-ups), and a decoder layer of a transformer has 7-9
 units (its linear layers and norms), so a 22-layer model generating one token made ~200 of them.
 
-An inference module computing on the CPU instead splits each block's units into *runs*: units
+An inference module computing on the CPU instead (`lease_in_runs`, called by `offload`, finds
+the blocks and hooks them) splits each block's units into *runs*: units
 next to each other in the order the block's last forward used them (`record`), as many as fit
 in `max_bytes` together (a unit larger than that is a run of its own). The first unit of a run
 to compute leases the whole run with one request, and the run's other units take their views
@@ -29,10 +30,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from infinity.errors import TierFullError
 
-__all__ = ["BorrowedLease", "LeaseGroup"]
+__all__ = ["BorrowedLease", "LeaseGroup", "lease_in_runs"]
 
 
 class BorrowedLease:
@@ -149,3 +151,31 @@ class LeaseGroup:
             run_bytes += size
         self._runs = runs
         self._run_of = {id(unit): index for index, run in enumerate(runs) for unit in run}
+
+
+def lease_in_runs(model: nn.Module, units: Sequence[Any], *, lease: Callable[[list[str]], Any],
+                  settle: Callable[[Sequence[Any]], None], release_unit: Callable[[Any], None],
+                  size_of: Callable[[Any], int], max_run_bytes: int) -> None:
+    """Give each block of `model` (an element of an nn.ModuleList, such as a decoder layer,
+    holding two of `units` or more) a `LeaseGroup` whose runs hold at most `max_run_bytes`:
+    set as each unit's `group`, begun and ended by hooks on the block. The outermost list's
+    blocks win. `units` have `module`, `names` and `lease`; the rest is `LeaseGroup`'s."""
+    by_module = {id(unit.module): unit for unit in units}
+    grouped: set[int] = set()
+    for list_name, blocks in model.named_modules():
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for index, block in enumerate(blocks):
+            members = [by_module[id(module)] for module in block.modules()
+                       if id(module) in by_module and id(module) not in grouped]
+            if len(members) < 2:
+                continue
+            group = LeaseGroup(f"{list_name}.{index}", lease=lease, settle=settle,
+                               release_unit=release_unit, size_of=size_of,
+                               max_bytes=max_run_bytes)
+            for unit in members:
+                unit.group = group
+                grouped.add(id(unit.module))
+            block.register_forward_pre_hook(lambda m, a, group=group: group.begin())
+            block.register_forward_hook(lambda m, a, o, group=group: group.end(),
+                                        always_call=True)

@@ -93,7 +93,7 @@ from infinity.torch.device_params import DeviceParams, compute_device, device_bu
 from infinity.torch.distributed import NodeRanks, node_ranks
 from infinity.torch.from_store import (dtypes_in_store, give_values_to_meta_parameters,
                                        quantized_copies)
-from infinity.torch.lease_groups import LeaseGroup
+from infinity.torch.lease_groups import LeaseGroup, lease_in_runs
 from infinity.torch.quantize import FUSED_MAX_ROWS, DequantBuffers, QuantizedWeight, linear
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
@@ -704,41 +704,6 @@ def _read_embedding_by_rows(unit: _Unit) -> None:
     module.forward = unit.embedding_forward  # type: ignore[method-assign]
 
 
-def _lease_blocks_together(state: OffloadState, model: nn.Module, *,
-                           max_run_bytes: int) -> None:
-    """Let the units of each block of an inference module (an element of an nn.ModuleList,
-    such as a decoder layer, holding two units or more) lease in runs of at most
-    `max_run_bytes` together, one request a run (`infinity.torch.lease_groups`). The outermost
-    list's blocks win; units that read rows lease nothing and stay out."""
-    by_module = {id(unit.module): unit for unit in state.units if unit.by_rows is None}
-    namespace = state.config.namespace
-    grouped: set[int] = set()
-
-    def lease(names: list[str]) -> Any:
-        return state.client.get_many(names, namespace=namespace)
-
-    def settle(units: Any) -> None:
-        state.settle_steps([entry for unit in units for entry in unit.entries])
-
-    for list_name, blocks in model.named_modules():
-        if not isinstance(blocks, nn.ModuleList):
-            continue
-        for index, block in enumerate(blocks):
-            units = [by_module[id(module)] for module in block.modules()
-                     if id(module) in by_module and id(module) not in grouped]
-            if len(units) < 2:
-                continue
-            group = LeaseGroup(f"{list_name}.{index}", lease=lease, settle=settle,
-                               release_unit=_Unit.release, size_of=_leased_bytes,
-                               max_bytes=max_run_bytes)
-            for unit in units:
-                unit.group = group
-                grouped.add(id(unit.module))
-            block.register_forward_pre_hook(lambda m, a, group=group: group.begin())
-            block.register_forward_hook(lambda m, a, o, group=group: group.end(),
-                                        always_call=True)
-
-
 def _leased_bytes(unit: _Unit) -> int:
     """The bytes a unit's lease holds: its quantized copies', or its parameters'."""
     return sum(entry.quantized.nbytes if entry.quantized is not None
@@ -933,7 +898,12 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
     if inference and copier is None and computes_on.type == "cpu":
         for unit in state.units:
             _read_embedding_by_rows(unit)
-        _lease_blocks_together(state, model, max_run_bytes=max(1, tier_bytes // 16))
+        lease_in_runs(
+            model, [unit for unit in state.units if unit.by_rows is None],
+            lease=lambda names: client.get_many(names, namespace=namespace),
+            settle=lambda units: state.settle_steps([e for unit in units for e in unit.entries]),
+            release_unit=_Unit.release, size_of=_leased_bytes,
+            max_run_bytes=max(1, tier_bytes // 16))
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.
     plain_zero_grad = model.zero_grad
