@@ -5,15 +5,15 @@ even for tensors already resident (a bare ZeroMQ round trip between two processe
 us on the project machine: four thread wake-ups), and a decoder layer of a transformer has 7-9
 units (its linear layers and norms), so a 22-layer model generating one token made ~200 of them.
 
-An inference module computing on the CPU instead (`lease_in_runs`, called by `offload`, finds
-the blocks and hooks them) splits each block's units into *runs*: units
-next to each other in the order the block's last forward used them (`record`), as many as fit
-in `max_bytes` together (a unit larger than that is a run of its own). The first unit of a run
-to compute leases the whole run with one request, and the run's other units take their views
-from that lease (`take`). The lease ends when a later run is leased and none of its units holds
-a view any more, or with the block's forward (`end`). A block's first forward, which has no
-record, leases unit by unit; a unit its last forward did not use (a mixture of experts' expert)
-leases alone.
+An inference module computing on the CPU instead splits each block's units into *runs*
+(`lease_in_runs`, which `offload` calls, finds the blocks and hooks them): units next to each
+other in the order the block's last forward used them (as `take` recorded), as many as fit in
+`max_bytes` together (a unit larger than that is a run of its own). The first unit of a run to
+compute leases the whole run with one request, and the run's other units take their views from
+that lease (`take`). The lease ends when a later run is leased and none of its units holds a view
+any more, or with the block's forward (`end`). A block's first forward, which has no record,
+leases unit by unit; a unit its last forward did not use (a mixture of experts' expert) leases
+alone.
 
 Why runs and not the whole block: a lease pins its tensors in the CPU tier and waits for the
 last of them. With a tier that holds a quarter of a bf16 model, one lease per decoder layer
