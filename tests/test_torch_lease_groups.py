@@ -10,7 +10,7 @@ from torch import nn
 
 from infinity.errors import TierFullError
 from infinity.torch import empty_parameters, offload
-from infinity.torch.lease_groups import LeaseGroup
+from infinity.torch.lease_groups import MAX_REFUSALS, LeaseGroup
 from tiny_models import llama
 
 from conftest import PREFETCH_SETTINGS
@@ -206,26 +206,56 @@ class FakeUnit:
         self.lease: Any = None
 
 
-def test_a_run_the_tier_has_no_room_for_makes_its_units_lease_alone_from_then_on() -> None:
-    # Faked: a tier too full for a run but not for its units alone is hard to bring about on
-    # purpose, so the lease here is a function that refuses the run.
-    asked: list[list[str]] = []
+def refusing(times: int, asked: list[list[str]]) -> Callable[[list[str]], Any]:
+    """A lease function that refuses its first `times` requests with TierFullError, then grants
+    leases of nothing (faked: a tier too full for a run but not for its units alone is hard to
+    bring about on purpose)."""
+
+    class Granted:
+        def __init__(self, names: list[str]) -> None:
+            self.tensors = [torch.empty(0) for _ in names]
+
+        def release(self) -> None:
+            pass
 
     def lease(names: list[str]) -> Any:
         asked.append(names)
-        raise TierFullError("the CPU tier is full")
+        if len(asked) <= times:
+            raise TierFullError("the CPU tier is full")
+        return Granted(names)
 
+    return lease
+
+
+def two_unit_group(lease: Callable[[list[str]], Any]) -> tuple[LeaseGroup, FakeUnit, FakeUnit]:
+    """A group of two units, recorded by one forward: the next forward leases them as a run."""
     group = LeaseGroup("block", lease=lease, settle=lambda units: None,
                        release_unit=lambda unit: None, size_of=lambda unit: 1, max_bytes=8)
     first, second = FakeUnit("a"), FakeUnit("b")
     group.begin()
     assert group.take(first) is None and group.take(second) is None  # no record yet
     group.end()
+    return group, first, second
+
+
+def test_a_refused_run_leaves_its_units_to_lease_alone_in_that_forward_only() -> None:
+    asked: list[list[str]] = []
+    group, first, second = two_unit_group(refusing(1, asked))
     group.begin()
-    assert group.take(first) is None  # the run [a, b] was refused: a leases alone
-    assert group.take(second) is None
+    assert group.take(first) is None and group.take(second) is None  # refused: alone
     group.end()
+    assert asked == [["a", "b"]]  # asked once in that forward, not again for its second unit
     group.begin()
-    assert group.take(first) is None
+    assert group.take(first) is not None and group.take(second) is not None
     group.end()
-    assert asked == [["a", "b"]] and not group.enabled
+    assert asked == [["a", "b"], ["a", "b"]] and group.enabled
+
+
+def test_runs_refused_forward_after_forward_make_the_group_lease_unit_by_unit() -> None:
+    asked: list[list[str]] = []
+    group, first, second = two_unit_group(refusing(MAX_REFUSALS, asked))
+    for _ in range(MAX_REFUSALS + 2):
+        group.begin()
+        assert group.take(first) is None
+        group.end()
+    assert len(asked) == MAX_REFUSALS and not group.enabled

@@ -21,8 +21,9 @@ last of them. With a tier that holds a quarter of a bf16 model, one lease per de
 most a sixteenth of the tier (`offload` chooses that) keep what is pinned small. Where the tier
 holds the model, a run is the whole block.
 
-A run whose lease does not fit the tier (`TierFullError`) makes the group stop leasing runs, for
-good: its units lease alone, which always works where it did before.
+A run whose lease does not fit the tier (`TierFullError`: other leases hold it, say) is left
+out for the rest of the block's forward, its units leasing alone, which works wherever it did
+before; after `MAX_REFUSALS` refusals in a row the group stops leasing runs for good.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from torch import nn
 
 from infinity.errors import TierFullError
 
-__all__ = ["BorrowedLease", "LeaseGroup", "lease_in_runs"]
+__all__ = ["BorrowedLease", "LeaseGroup", "MAX_REFUSALS", "lease_in_runs"]
+
+# Refusals in a row after which a group leases unit by unit for good (a run the tier can never
+# hold), where one refusal may be a moment's crowding of the tier.
+MAX_REFUSALS = 3
 
 
 class BorrowedLease:
@@ -69,6 +74,8 @@ class LeaseGroup:
         self._size_of = size_of
         self.max_bytes = max_bytes
         self.enabled = True
+        self._refusals = 0  # runs refused (TierFullError) in a row
+        self._refused: set[int] = set()  # runs refused in this forward: their units lease alone
         self._runs: list[list[Any]] = []  # the last forward's units, in order, split into runs
         self._run_of: dict[int, int] = {}  # id(unit) -> its run's index
         self._seen: list[Any] | None = None  # the units this forward used so far (None: idle)
@@ -81,17 +88,19 @@ class LeaseGroup:
         self._depth += 1
         if self._depth == 1:
             self._seen = []
+            self._refused = set()
 
     def take(self, unit: Any) -> BorrowedLease | None:
         """The unit's views from its run's lease (leasing the run if no lease holds it yet), or
         None: the unit leases alone (the block is not computing, the unit was not in the last
-        forward, or runs stopped fitting the tier). Records that this forward used the unit."""
+        forward, the tier refused its run in this forward, or refused runs too often). Records
+        that this forward used the unit."""
         if self._seen is None:
             return None
         if unit not in self._seen:
             self._seen.append(unit)
         index = self._run_of.get(id(unit))
-        if index is None or not self.enabled:
+        if index is None or not self.enabled or index in self._refused:
             return None
         if index not in self._leases and not self._lease_run(index):
             return None
@@ -107,8 +116,11 @@ class LeaseGroup:
         try:
             lease = self._lease_names(names)
         except TierFullError:
-            self.enabled = False  # a run larger than the tier has room for: units alone
+            self._refused.add(index)
+            self._refusals += 1
+            self.enabled = self._refusals < MAX_REFUSALS
             return False
+        self._refusals = 0
         self._leases[index] = lease
         by_name = dict(zip(names, lease.tensors))
         for unit in run:
