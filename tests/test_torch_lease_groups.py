@@ -1,5 +1,6 @@
 """Lease groups: an inference module leases each block's units (a decoder layer's linear layers
-and norms) in one request, from its second forward on, and computes exactly what it did."""
+and norms) in runs, one request a run, from its second forward on, and computes exactly what it
+did. A run holds at most a sixteenth of the CPU tier: a tiny model's whole layer is one run."""
 
 from __future__ import annotations
 
