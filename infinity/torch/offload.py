@@ -46,13 +46,13 @@ buffer back to the module tree's `DequantBuffers`, which hands it to the next we
 shape. So what the process holds still grows with the largest unit, not with the model. An
 `nn.Linear` computing on the CPU skips the buffer where its input has few rows (a decode step:
 at most `FUSED_MAX_ROWS`): its pre-hook keeps the codes and scales leased instead, and the
-module's forward (replaced on that instance by `_Unit.linear_forward`, which falls back to
+module's forward (replaced on that instance: `infinity.torch.inference_paths`, which falls back to
 `nn.Linear.forward` whenever the weight was dequantized) multiplies from them with the native
 kernel (`infinity.torch.quantize.linear`), the weight never written out in full.
 
 An inference unit that is a plain `nn.Embedding` with a weight of its own (not tied to an output
 projection), in full precision, computing on the CPU, leases nothing: its forward (replaced on
-the instance by `_Unit.embedding_forward`) reads just the rows its input looks up
+the instance: `infinity.torch.inference_paths`) reads just the rows its input looks up
 (`client.read_rows`) and looks them up in that small table; a decode step reads one 1 MiB block
 of the table, not the table.
 
@@ -84,7 +84,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 from infinity.client.device import DeviceCopier
 from infinity.errors import InfinityError, InvalidRequestError, LeaseError, TierFullError
@@ -94,7 +93,8 @@ from infinity.torch.distributed import NodeRanks, node_ranks
 from infinity.torch.from_store import (dtypes_in_store, give_values_to_meta_parameters,
                                        quantized_copies)
 from infinity.torch.lease_groups import LeaseGroup, lease_in_runs
-from infinity.torch.quantize import FUSED_MAX_ROWS, DequantBuffers, QuantizedWeight, linear
+from infinity.torch.inference_paths import compute_from_codes, fuses, read_embedding_by_rows
+from infinity.torch.quantize import DequantBuffers, QuantizedWeight
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
 
@@ -193,11 +193,11 @@ class _Unit:
         self.entries = entries
         self.names = [name for entry in entries for name in entry.lease_names]
         self.buffers: list[torch.Tensor] = []  # its quantized parameters, dequantized
-        # The weight entry of an nn.Linear computing on the CPU from a quantized copy (set by
-        # `offload`), and while its forward multiplies from the codes, they and the scales.
+        # The weight entry of an nn.Linear computing on the CPU from a quantized copy, and while
+        # its forward multiplies from the codes, they and the scales (`inference_paths`).
         self.fusable: _Param | None = None
-        # The weight of an nn.Embedding that reads only the rows it looks up (set by `offload`
-        # for inference: see `embedding_forward`); such a unit leases nothing.
+        # The weight of an nn.Embedding that reads only the rows it looks up (set for inference:
+        # `inference_paths.read_embedding_by_rows`); such a unit leases nothing.
         self.by_rows: _Param | None = None
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
         # The module's own parameter slots as offload found them: a parameter replaced later
@@ -210,46 +210,10 @@ class _Unit:
         self.in_backward = False
         self.grads_left = 0
 
-    def fuses(self, args: tuple[Any, ...]) -> bool:
-        """Whether this forward (of `args`) multiplies from the codes: the module's weight has a
-        quantized copy on the CPU, and its input is a CPU tensor of the weight's dtype with at
-        most FUSED_MAX_ROWS rows that needs no gradient."""
-        if self.fusable is None or not args or not isinstance(args[0], torch.Tensor):
-            return False
-        x, weight = args[0], self.fusable.quantized
-        assert weight is not None
-        return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dim() > 0
-                and x.numel() <= FUSED_MAX_ROWS[weight.form] * x.shape[-1]
-                and not (x.requires_grad and torch.is_grad_enabled()))
-
-    def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward of an nn.Linear unit with a quantized weight (see `fusable`)."""
-        module = self.module
-        if self.fused is None:
-            return nn.Linear.forward(module, x)  # type: ignore[arg-type]
-        weight = self.fusable.quantized if self.fusable is not None else None
-        assert weight is not None
-        codes, scales = self.fused
-        bias = module.bias
-        assert bias is None or isinstance(bias, torch.Tensor)
-        return linear(x, codes, scales, weight.form, weight.block, bias)
-
-    def embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The forward of an nn.Embedding unit that reads rows (see `by_rows`): the rows its
-        input looks up, read from the store (`client.read_rows`: from NVMe, only the checksum
-        blocks holding them), then the same lookup in that small table, bit for bit."""
-        entry = self.by_rows
-        assert entry is not None
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        table = torch.empty((len(unique), *entry.placeholder.shape[1:]),
-                            dtype=entry.placeholder.dtype)
-        self.state.client.read_rows(entry.read_name, unique, table,
-                                    namespace=self.state.config.namespace)
-        return functional.embedding(inverse.view(ids.shape), table)
-
     def acquire(self, *, fused: bool = False) -> None:
-        """Lease the unit's parameters and point them at their values; `fused` (see `fuses`):
-        keep the weight's codes and scales for `linear_forward` instead of dequantizing them."""
+        """Lease the unit's parameters and point them at their values; `fused`
+        (`inference_paths.fuses`): keep the weight's codes and scales to multiply from instead
+        of dequantizing them."""
         if self.lease is not None or self.by_rows is not None:
             return
         self.state.settle_steps(self.entries)  # the values the optimizer's last step wrote
@@ -404,7 +368,7 @@ class OffloadState:
                 if id(entry) not in self._order_seen:
                     self._order_seen.add(id(entry))
                     self.forward_order.append(entry)
-        unit.acquire(fused=unit.fuses(args))
+        unit.acquire(fused=fuses(unit, args))
 
     def _post_forward(self, unit: _Unit) -> None:
         if unit.depth == 0:
@@ -688,22 +652,6 @@ class OffloadState:
         return entry
 
 
-def _read_embedding_by_rows(unit: _Unit) -> None:
-    """Make an inference unit that is a plain nn.Embedding read only the rows it looks up
-    (`_Unit.embedding_forward`), where its weight is its own (not tied to an output
-    projection, which needs the whole table anyway), in full precision, and max_norm unset
-    (which rewrites the table)."""
-    module = unit.module
-    if type(module).forward is not nn.Embedding.forward or len(unit.entries) != 1:
-        return
-    entry = unit.entries[0]
-    if (entry.param is not module._parameters.get("weight") or len(entry.units) != 1
-            or entry.quantized is not None or getattr(module, "max_norm", None) is not None):
-        return
-    unit.by_rows = entry
-    module.forward = unit.embedding_forward  # type: ignore[method-assign]
-
-
 def _leased_bytes(unit: _Unit) -> int:
     """The bytes a unit's lease holds: its quantized copies', or its parameters'."""
     return sum(entry.quantized.nbytes if entry.quantized is not None
@@ -889,15 +837,14 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
                 and module._parameters.get("weight") is not None):
             weight = state._by_param[id(module._parameters["weight"])]
             if weight.quantized is not None:
-                unit.fusable = weight
-                module.forward = unit.linear_forward  # type: ignore[method-assign]
+                compute_from_codes(unit, weight)
         module.register_forward_pre_hook(
             lambda m, a, unit=unit: state._pre_forward(unit, a))
         module.register_forward_hook(
             lambda m, a, o, unit=unit: state._post_forward(unit), always_call=True)
     if inference and copier is None and computes_on.type == "cpu":
         for unit in state.units:
-            _read_embedding_by_rows(unit)
+            read_embedding_by_rows(unit)
         lease_in_runs(
             model, [unit for unit in state.units if unit.by_rows is None],
             lease=lambda names: client.get_many(names, namespace=namespace),
