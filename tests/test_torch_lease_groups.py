@@ -230,7 +230,7 @@ def refusing(times: int, asked: list[list[str]]) -> Callable[[list[str]], Any]:
 
 def two_unit_group(lease: Callable[[list[str]], Any]) -> tuple[LeaseGroup, FakeUnit, FakeUnit]:
     """A group of two units, recorded by one forward: the next forward leases them as a run."""
-    group = LeaseGroup("block", lease=lease, settle=lambda units: None,
+    group = LeaseGroup(lease=lease, settle=lambda units: None,
                        release_unit=lambda unit: None, size_of=lambda unit: 1, max_bytes=8)
     first, second = FakeUnit("a"), FakeUnit("b")
     group.begin()

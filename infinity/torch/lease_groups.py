@@ -64,10 +64,9 @@ class LeaseGroup:
     optimizer's steps over them), `release_unit` ends a unit's hold on its views, `size_of`
     gives the bytes a unit leases, and `max_bytes` bounds a run's."""
 
-    def __init__(self, name: str, *, lease: Callable[[list[str]], Any],
+    def __init__(self, *, lease: Callable[[list[str]], Any],
                  settle: Callable[[Sequence[Any]], None], release_unit: Callable[[Any], None],
                  size_of: Callable[[Any], int], max_bytes: int) -> None:
-        self.name = name
         self._lease_names = lease
         self._settle = settle
         self._release_unit = release_unit
@@ -174,17 +173,16 @@ def lease_in_runs(model: nn.Module, units: Sequence[Any], *, lease: Callable[[li
     blocks win. `units` have `module`, `names` and `lease`; the rest is `LeaseGroup`'s."""
     by_module = {id(unit.module): unit for unit in units}
     grouped: set[int] = set()
-    for list_name, blocks in model.named_modules():
+    for blocks in model.modules():
         if not isinstance(blocks, nn.ModuleList):
             continue
-        for index, block in enumerate(blocks):
+        for block in blocks:
             members = [by_module[id(module)] for module in block.modules()
                        if id(module) in by_module and id(module) not in grouped]
             if len(members) < 2:
                 continue
-            group = LeaseGroup(f"{list_name}.{index}", lease=lease, settle=settle,
-                               release_unit=release_unit, size_of=size_of,
-                               max_bytes=max_run_bytes)
+            group = LeaseGroup(lease=lease, settle=settle, release_unit=release_unit,
+                               size_of=size_of, max_bytes=max_run_bytes)
             for unit in members:
                 unit.group = group
                 grouped.add(id(unit.module))

@@ -92,8 +92,8 @@ from infinity.torch.device_params import DeviceParams, compute_device, device_bu
 from infinity.torch.distributed import NodeRanks, node_ranks
 from infinity.torch.from_store import (dtypes_in_store, give_values_to_meta_parameters,
                                        quantized_copies)
-from infinity.torch.lease_groups import LeaseGroup, lease_in_runs
 from infinity.torch.inference_paths import compute_from_codes, fuses, read_embedding_by_rows
+from infinity.torch.lease_groups import LeaseGroup, lease_in_runs
 from infinity.torch.quantize import DequantBuffers, QuantizedWeight
 
 __all__ = ["GradStats", "OffloadConfig", "OffloadState", "offload", "offload_state"]
@@ -652,13 +652,6 @@ class OffloadState:
         return entry
 
 
-def _leased_bytes(unit: _Unit) -> int:
-    """The bytes a unit's lease holds: its quantized copies', or its parameters'."""
-    return sum(entry.quantized.nbytes if entry.quantized is not None
-               else entry.placeholder.numel() * entry.placeholder.element_size()
-               for entry in unit.entries)
-
-
 def _wait_quietly(pending: Any) -> None:
     """Wait for a PendingAdamStep (None: nothing to wait for) whose error someone else raises."""
     if pending is not None:
@@ -849,7 +842,8 @@ def offload(model: nn.Module, client: Any, *, namespace: str,
             model, [unit for unit in state.units if unit.by_rows is None],
             lease=lambda names: client.get_many(names, namespace=namespace),
             settle=lambda units: state.settle_steps([e for unit in units for e in unit.entries]),
-            release_unit=_Unit.release, size_of=_leased_bytes,
+            release_unit=_Unit.release,
+            size_of=lambda unit: sum(leased_bytes(entry.param) for entry in unit.entries),
             max_run_bytes=max(1, tier_bytes // 16))
     # `model.zero_grad()` (what transformers.Trainer calls) must reset the stored gradients as
     # `optimizer.zero_grad()` does: the module's own method, then the store's.

@@ -201,7 +201,8 @@ class Steps:
 
     def _adopt_recording(self, s: Stream) -> bool:
         """Make what the step recorded the stream's trace; False if it recorded none."""
-        trace = s.recorder.finish(step_gap_s=s.step_gap_s or 0.0) if s.recorder else None
+        recorder = s.recorder
+        trace = recorder.finish(step_gap_s=s.step_gap_s or 0.0) if recorder is not None else None
         if trace is None:
             return False
         self._nextuse.drop(s)
