@@ -14,7 +14,8 @@ import torch
 
 from infinity.client.device import CpuCopier
 from infinity.client.launch import settings_as_flags
-from infinity.errors import QuantizedFormNotFoundError, ReadOnlyNamespaceError
+from infinity.errors import (InvalidRequestError, QuantizedFormNotFoundError,
+                             ReadOnlyNamespaceError)
 from infinity.torch.generation import load_causal_lm
 from infinity.torch.model_store import import_model, list_models, require_model
 from infinity.torch.offload import offload_state
@@ -34,25 +35,37 @@ def folder(disk_tmp: str) -> str:
     return path
 
 
-def in_memory(folder: str, form: str | None = None) -> Any:
-    """The folder's model in memory; with `form`, each linear layer's weight replaced by what
-    its quantized copy dequantizes to (what a streamed quantized model computes with)."""
+@pytest.fixture
+def untied_folder(disk_tmp: str) -> str:
+    """A Llama whose output projection is a weight of its own."""
+    path = os.path.join(disk_tmp, "untied")
+    llama(tied=False).save_pretrained(path)
+    save_char_tokenizer(path)
+    return path
+
+
+def in_memory(folder: str, form: str | None = None, *, head: bool = False) -> Any:
+    """The folder's model in memory; with `form`, each linear layer's weight (and with `head`
+    the output projection's) replaced by what its quantized copy dequantizes to (what a
+    streamed quantized model computes with)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     if form is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.split(".")[-2] in LINEAR:
+                if name.split(".")[-2] in LINEAR or (head and name == "lm_head.weight"):
                     param.copy_(round_trip(param, form))
     return model
 
 
-def computing_from_codes(model: Any, form: str) -> Any:
-    """`model` (in memory) with each linear layer multiplying from its weight's `form` copy with
-    the native kernel (what a streamed quantized model computes for a decode step)."""
+def computing_from_codes(model: Any, form: str, *, head: bool = False) -> Any:
+    """`model` (in memory) with each linear layer (and with `head` the output projection)
+    multiplying from its weight's `form` copy with the native kernel (what a streamed
+    quantized model computes for a decode step)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings():
+        if isinstance(module, torch.nn.Linear) and (head or
+                                                    module is not model.get_output_embeddings()):
             codes, scales = quantize(module.weight.detach(), form, BLOCK_SIZES[form])
             module.forward = (lambda x, m=module, c=codes, s=scales:
                               linear(x, c, s, form, BLOCK_SIZES[form], m.bias))
@@ -90,6 +103,7 @@ def test_an_import_asked_for_both_forms_keeps_each_linear_weights_copies(
     # The embeddings (tied to the output projection) and the norms have no copies.
     copied = {name.split("/", 1)[1] for name in held if name.startswith("__int8__/")}
     assert copied == set(linear)
+    assert manifest["quantized"]["int8"]["output_projection"] is None
     (info,) = list_models(client)
     assert info.quantized == ("int8", "int4")
 
@@ -167,6 +181,54 @@ def test_streamed_int8_logits_are_within_the_derived_bound_of_full_precision(
     assert (streamed.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
 
 
+def test_an_output_projection_of_its_own_gets_a_copy_its_record_names(
+        client: Any, untied_folder: str) -> None:
+    import_model(client, untied_folder, namespace="lm", progress=False, quantize=("int8",))
+    record = require_model(client, "lm")["quantized"]["int8"]
+    assert record["output_projection"] == "lm_head.weight"
+    assert "lm_head.weight" in record["tensors"]
+    held = {t.name for t in client.list(namespace="lm")}
+    assert {"__int8__/lm_head.weight", "__int8_scales__/lm_head.weight"} <= held
+
+
+def test_the_output_projection_streams_in_full_precision_unless_asked(
+        client: Any, untied_folder: str) -> None:
+    """Bit for bit, a decode step: by default every linear layer but the output projection
+    multiplies from its codes; with quantized_lm_head the output projection does too."""
+    import_model(client, untied_folder, namespace="lm", progress=False, quantize=("int8",))
+    step = prompts(3, 1)
+    for head in (False, True):
+        model = load_causal_lm(client, namespace="lm", quantization="int8",
+                               quantized_lm_head=head)
+        expected = logits(computing_from_codes(in_memory(untied_folder), "int8", head=head), step)
+        assert torch.equal(logits(model, step), expected)
+        assert offload_state(model).dequantized.idle_bytes() == 0
+    assert client.stats()["clients"][0]["leases"] == 0
+
+
+def test_a_quantized_lm_head_prompt_computes_as_the_model_with_its_head_dequantized(
+        client: Any, untied_folder: str) -> None:
+    import_model(client, untied_folder, namespace="lm", progress=False, quantize=("int4",))
+    model = load_causal_lm(client, namespace="lm", quantization="int4", quantized_lm_head=True)
+    inputs = prompts()
+    expected = logits(in_memory(untied_folder, "int4", head=True), inputs)
+    assert torch.equal(logits(model, inputs), expected)
+    assert not torch.equal(expected, logits(in_memory(untied_folder, "int4"), inputs))
+
+
+def test_a_quantized_lm_head_of_a_model_whose_head_is_its_embeddings_is_refused(
+        client: Any, folder: str) -> None:
+    import_model(client, folder, namespace="lm", progress=False, quantize=("int8",))
+    with pytest.raises(InvalidRequestError, match="full precision"):
+        load_causal_lm(client, namespace="lm", quantization="int8", quantized_lm_head=True)
+
+
+def test_a_quantized_lm_head_without_a_quantization_is_refused(client: Any, folder: str) -> None:
+    import_model(client, folder, namespace="lm", progress=False, quantize=("int8",))
+    with pytest.raises(InvalidRequestError, match="needs a quantization"):
+        load_causal_lm(client, namespace="lm", quantized_lm_head=True)
+
+
 def test_streamed_int4_through_a_copying_device_computes_as_its_copies_dequantized(
         client: Any, folder: str) -> None:
     # The CPU as a device that copies (the CUDA path's code, run here): the codes and scales
@@ -222,3 +284,16 @@ def test_the_commands_import_a_form_and_generate_from_it(daemon: Any, folder: st
                  "5", "Odd prompt", *flags]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("Odd prompt") and "5 tokens" in err
+
+
+def test_the_generate_command_streams_the_lm_head_copy_when_asked(daemon: Any, untied_folder: str,
+                                                                  capsys: Any) -> None:
+    from infinity.cli.main import main
+
+    flags = settings_as_flags(daemon.config)
+    assert main(["import", untied_folder, "--namespace", "lm", "--quantize", "int8", *flags]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--namespace", "lm", "--quantization", "int8", "--quantized-lm-head",
+                 "--max-new-tokens", "4", "Odd prompt", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Odd prompt") and "4 tokens" in err

@@ -11,7 +11,8 @@ import torch
 
 from infinity.errors import InvalidRequestError
 from infinity.torch.quantize import (DequantBuffers, QuantizedWeight, dequantize,
-                                     linear_weight_names, quantize, round_trip)
+                                     linear_weight_names, output_projection_name, quantize,
+                                     round_trip)
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -154,3 +155,20 @@ def test_the_linear_layers_are_quantized_not_embeddings_head_or_norms(tmp_path: 
               "model.layers.0.mlp.down_proj.weight"]
     assert linear_weight_names(str(tmp_path), stored) == {
         "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    assert linear_weight_names(str(tmp_path), stored, with_output_projection=True) == {
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+        "lm_head.weight"}
+    assert output_projection_name(str(tmp_path), stored) == "lm_head.weight"
+
+
+def test_an_output_projection_tied_to_the_embeddings_is_never_quantized(tmp_path: str) -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=50,
+                tie_word_embeddings=True).save_pretrained(str(tmp_path))
+    stored = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert linear_weight_names(str(tmp_path), stored, with_output_projection=True) == {
+        "model.layers.0.self_attn.q_proj.weight"}
+    assert output_projection_name(str(tmp_path), stored) is None

@@ -2,7 +2,8 @@
 
     .venv/bin/python tools/bench_infer.py [--rounds 2] [--new-tokens 16] [--prompt-tokens 32]
                                           [--batch 4] [--dir /var/tmp] [--quick]
-                                          [--configs memory,infinity,infinity-int8,infinity-int4,accelerate]
+                                          [--configs memory,infinity,infinity-int8,
+                                            infinity-int8-head,infinity-int4,accelerate]
                                           > bench_infer.json
 
 Must run as root on a machine with cgroup v1's memory controller (/sys/fs/cgroup/memory): each
@@ -25,7 +26,10 @@ budget:
   in the same cgroup), the model built with `infinity.torch.generation.load_causal_lm`: weights
   stream from NVMe, prefetched by the step trace;
 - `infinity-int8`, `infinity-int4`: the same, streaming the import's quantized copies of the
-  linear layers' weights (`load_causal_lm(quantization=...)`), dequantized layer by layer;
+  linear layers' weights (`load_causal_lm(quantization=...)`), dequantized layer by layer
+  (decode steps multiply from the codes), the output projection in bf16;
+- `infinity-int8-head`: int8 with the output projection's copy streamed too
+  (`quantized_lm_head=True`; in the error report, form "int8+lm_head");
 - `accelerate`: transformers + Accelerate, `device_map="auto"` with `max_memory={"cpu": budget}`
   (tools/peers/accelerate_generate_worker.py, in the peers' venv from tools/peers/setup_peers.sh;
   "skipped" where it is missing). Its offloaded weights are read from the safetensors files
@@ -78,8 +82,10 @@ import generate_common  # noqa: E402
 from peers import worker_protocol  # noqa: E402
 from peers.worker_protocol import Worker  # noqa: E402
 
-CONFIGS = ("memory", "infinity", "infinity-int8", "infinity-int4", "accelerate")
-FORMS = {"infinity-int8": "int8", "infinity-int4": "int4"}  # the quantized subjects' forms
+CONFIGS = ("memory", "infinity", "infinity-int8", "infinity-int8-head", "infinity-int4",
+           "accelerate")
+# The quantized subjects' forms; "+lm_head": the output projection's copy streamed too.
+FORMS = {"infinity-int8": "int8", "infinity-int8-head": "int8+lm_head", "infinity-int4": "int4"}
 PEERS_DIR = Path(os.environ.get("INFINITY_PEERS_DIR", "/var/tmp/infinity-peers"))
 ACCELERATE_WORKER = TOOLS / "peers" / "accelerate_generate_worker.py"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -194,8 +200,10 @@ class GenerateWorker:
             # turn does not replay the int8 turn's trace (and load its first steps on demand).
             self.client = infinity.connect(config=config,
                                            name=request.get("name", f"bench-infer-{self.config}"))
+            form = FORMS.get(self.config)
             self.model = load_causal_lm(self.client, namespace=NAMESPACE,
-                                        quantization=FORMS.get(self.config))
+                                        quantization=form.split("+")[0] if form else None,
+                                        quantized_lm_head=bool(form and form.endswith("+lm_head")))
         return {"load_s": time.perf_counter() - started,
                 "daemon_pid": self.daemon.pid if self.daemon is not None else None}
 
@@ -307,10 +315,13 @@ def import_model(model_dir: Path, work: Path, weight_bytes: int,
 
 def streamed_bytes(manifest: dict[str, Any], weight_bytes: int) -> dict[str, int]:
     """The bytes a token's forward leases, per form: every weight in full precision, or the
-    form's copies plus the tensors it leaves in full precision."""
+    form's copies plus the tensors it leaves in full precision (the output projection among
+    them, but in "FORM+lm_head")."""
     import math
 
     import torch
+
+    from infinity.torch.model_quantized import quantized_weights
 
     def full(name: str) -> int:
         spec = manifest["tensors"][name]
@@ -318,7 +329,14 @@ def streamed_bytes(manifest: dict[str, Any], weight_bytes: int) -> dict[str, int
 
     figures = {"bf16": weight_bytes}
     for form, record in (manifest.get("quantized") or {}).items():
-        figures[form] = weight_bytes - sum(full(n) for n in record["tensors"]) + record["bytes"]
+        copies = quantized_weights(manifest, form)
+        head = record.get("output_projection")
+        for name, with_head in ((form, False), (form + "+lm_head", True)):
+            if with_head and head is None:
+                continue
+            chosen = [n for n in copies if with_head or n != head]
+            figures[name] = (weight_bytes - sum(full(n) for n in chosen)
+                             + sum(copies[n].nbytes for n in chosen))
     return figures
 
 
@@ -450,9 +468,10 @@ def summarize(result: dict[str, Any], read_gbps: float) -> None:
     theirs = per_config.get("accelerate", {}).get("per_token_s")
     targets: dict[str, Any] = {}
     for config, form, target in (("infinity", "bf16", 3.0), ("infinity-int8", "int8", 5.0),
+                                 ("infinity-int8-head", "int8+lm_head", 5.0),
                                  ("infinity-int4", "int4", None)):
         ours = per_config.get(config, {}).get("per_token_s")
-        suffix = "" if config == "infinity" else "_" + form
+        suffix = "" if config == "infinity" else "_" + form.replace("+", "_")
         if ours and theirs:
             ratio = theirs / ours
             targets["faster_than_accelerate" + suffix] = {
@@ -531,10 +550,11 @@ def main(argv: list[str] | None = None) -> int:
             result["turns"]["accelerate"] = [{"error": "skipped: no peers venv "
                                               "(tools/peers/setup_peers.sh)"}]
             configs.remove("accelerate")
-        forms = tuple(FORMS[c] for c in configs if c in FORMS)
+        forms = tuple(dict.fromkeys(FORMS[c] for c in configs if c in FORMS))
+        imported = tuple(dict.fromkeys(form.split("+")[0] for form in forms))
         if any(c.startswith("infinity") for c in configs) or not args.no_share:
-            log(f"importing the model into the store (quantized: {', '.join(forms) or 'no'})")
-            result["import"] = import_model(model_dir, work, weight_bytes, forms)
+            log(f"importing the model into the store (quantized: {', '.join(imported) or 'no'})")
+            result["import"] = import_model(model_dir, work, weight_bytes, imported)
         bandwidth = EngineBandwidth(str(work), min(1 << 30, max(64 * MiB, weight_bytes // 2)))
         for round_index in range(args.rounds):
             order = configs[round_index % len(configs):] + configs[:round_index % len(configs)]

@@ -1,7 +1,8 @@
 """The error of the quantized copies (int8, int4) against full precision, on a model folder.
 
     .venv/bin/python tools/quant_error.py MODEL_FOLDER [--prompts 8] [--prompt-tokens 32]
-                                          [--new-tokens 16] [--forms int8,int4] > error.json
+                                          [--new-tokens 16] [--forms int8,int8+lm_head,int4]
+                                          > error.json
     .venv/bin/python tools/quant_error.py --tiny-llama     # the tests' seeded tiny Llama
 
 Over a fixed prompt set (`--prompts` seeded random prompts of `--prompt-tokens` token ids, the
@@ -17,8 +18,10 @@ same every run), for each form:
 
 The quantized model is the folder's model in memory with each linear layer's weight replaced by
 what its copy dequantizes to (`infinity.torch.quantize.round_trip`, on the weights
-`linear_weight_names` picks, as an import does): streamed generation from the copies computes
-exactly that, bit for bit (tests/test_quantized_generation.py), so no daemon is needed here.
+`linear_weight_names` picks, as an import does; the output projection's too in a form
+"FORM+lm_head", as `load_causal_lm(quantized_lm_head=True)` streams it): streamed generation
+from the copies computes exactly that, bit for bit (tests/test_quantized_generation.py), so no
+daemon is needed here.
 JSON on stdout.
 """
 
@@ -45,17 +48,20 @@ def fixed_prompts(count: int, length: int, vocab: int) -> torch.Tensor:
 
 
 def load(folder: str, form: str | None) -> Any:
-    """The folder's model in memory, its linear layers' weights round-tripped through `form`."""
+    """The folder's model in memory, its linear layers' weights round-tripped through `form`
+    ("int8+lm_head": the output projection's too, where it is not tied)."""
     from transformers import AutoModelForCausalLM
 
     from infinity.torch.quantize import linear_weight_names, round_trip
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     if form is not None:
+        base, _, head = form.partition("+")
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name in linear_weight_names(folder, params):
-                params[name].copy_(round_trip(params[name], form))
+            for name in linear_weight_names(folder, params,
+                                            with_output_projection=head == "lm_head"):
+                params[name].copy_(round_trip(params[name], base))
     return model
 
 
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", nargs="?", help="a model folder (save_pretrained)")
     parser.add_argument("--tiny-llama", action="store_true",
                         help="measure the tests' seeded tiny Llama instead of a folder")
-    parser.add_argument("--forms", default="int8,int4")
+    parser.add_argument("--forms", default="int8,int8+lm_head,int4")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)

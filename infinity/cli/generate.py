@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(client, namespace=args.namespace)
         model = load_causal_lm(client, namespace=args.namespace,
-                               quantization=args.quantization)
+                               quantization=args.quantization,
+                               quantized_lm_head=args.quantized_lm_head)
         inputs = tokenizer(args.prompt, return_tensors="pt")
         streamer = _TimedStreamer(tokenizer)
         options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, streamer=streamer)

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stream the weights' quantized copies (imported with --quantize) "
                           "instead of the full-precision ones: fewer bytes a token, dequantized "
                           "layer by layer before use (default: full precision)")
+    generate.add_argument("--quantized-lm-head", action="store_true",
+                          help="with --quantization, stream the output projection's quantized "
+                          "copy too: fewer bytes a token, its error straight in the logits "
+                          "(default: the output projection in full precision)")
     return parser
 
 

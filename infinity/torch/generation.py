@@ -18,7 +18,11 @@ layer is copied into a device-memory budget as `offload` does for training.
 (or about a quarter) of their bytes a token, from NVMe, through the CPU tier and over to a
 device; each layer's copy is dequantized on the compute device just before its forward, into a
 buffer of the compute dtype reused by the next layer (`infinity.torch.quantize`). The output is
-then close to the full-precision model's, not equal (docs/BENCHMARKS.md measures how close).
+then close to the full-precision model's, not equal (docs/BENCHMARKS.md measures how close). The
+output projection (lm_head) stays in full precision unless `quantized_lm_head=True`: its error
+goes straight into the logits, but it is read whole every token (a 1B Llama's is 131 MB in bf16,
+11% of what the model streams a token in int8), so a user who accepts that error reads fewer
+bytes.
 
 `load_tokenizer` gives the tokenizer stored beside the weights, for `infinity generate`.
 """
@@ -41,18 +45,26 @@ __all__ = ["load_causal_lm", "load_tokenizer"]
 
 def load_causal_lm(client: Any, *, namespace: str, device: torch.device | str | None = None,
                    device_budget_bytes: int | None = None,
-                   copier: DeviceCopier | None = None, quantization: str | None = None) -> Any:
+                   copier: DeviceCopier | None = None, quantization: str | None = None,
+                   quantized_lm_head: bool = False) -> Any:
     """The imported model of `namespace` as a transformers causal LM (a `PreTrainedModel`,
     typed Any here so that importing this module needs no transformers) whose weights stay in the
     store (see the module's docstring). It computes in the dtype its weights were imported in,
     on the CPU unless `device` (or `copier`) says otherwise; `device_budget_bytes` bounds the
     device memory its weights take there. `quantization` ("int8", "int4"; None: full
     precision) streams those quantized copies; QuantizedFormNotFoundError where the import
-    made none."""
+    made none. `quantized_lm_head` streams the output projection's copy too (with a
+    `quantization`; an error where the model's output projection is tied to its input
+    embeddings, which leaves it no copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     require_model(client, namespace)
-    quantized = (require_quantized(client, namespace, quantization)
+    if quantized_lm_head and quantization is None:
+        raise InvalidRequestError(
+            "quantized_lm_head streams the output projection's quantized copy, so it needs a "
+            "quantization (\"int8\" or \"int4\"); pass one, or leave quantized_lm_head off")
+    quantized = (require_quantized(client, namespace, quantization,
+                                   output_projection=quantized_lm_head)
                  if quantization is not None else None)
     with tempfile.TemporaryDirectory(prefix="infinity-model-") as folder:
         write_model_files(client, namespace, folder)

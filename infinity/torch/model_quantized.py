@@ -2,9 +2,11 @@
 tensors of the folder get one, and writing a form's copies into the model's namespace.
 
 The format and the choice of tensors are `infinity.torch.quantize`'s (block-wise, symmetric,
-scales in the weight's dtype; the linear layers' weights, not the embeddings, the output
-projection or anything 1-D); the names in the namespace and the manifest's record of each form
-are `model_store`'s contract.
+scales in the weight's dtype; the linear layers' weights, the output projection's where it is
+not tied to the input embeddings, not the embeddings or anything 1-D); the names in the
+namespace and the manifest's record of each form are `model_store`'s contract. A form's record
+names the output projection among its tensors ("output_projection"), so that generation can
+leave it in full precision, as it does unless asked.
 
 Memory: a tensor's codes go into the store through `Client.write_pieces`, as the import's
 full-precision tensors do: each piece the store hands out (a stream chunk, or the tensor's own
@@ -34,14 +36,18 @@ from infinity.torch.quantize import BLOCK_SIZES, DTYPES, QuantizedWeight, codes_
 ROWS_BYTES = 1 << 20  # source bytes quantized at once (at least one row)
 
 
-def quantizable(folder: ModelFolder) -> list[TensorEntry]:
+def quantizable(folder: ModelFolder) -> tuple[list[TensorEntry], str | None]:
     """The tensors of `folder` that get quantized copies (see `infinity.torch.quantize`), in
-    the order of their bytes."""
-    from infinity.torch.quantize import linear_weight_names
+    the order of their bytes, and the name of the output projection's weight among them (None
+    where it has no copy: tied to the input embeddings, say)."""
+    from infinity.torch.quantize import linear_weight_names, output_projection_name
 
-    chosen = linear_weight_names(folder.path, (t.name for t in folder.tensors))
-    return [t for t in folder.tensors if t.name in chosen and len(t.shape) == 2
-            and getattr(torch, t.dtype) in DTYPES and math.prod(t.shape) > 0]
+    stored = [t.name for t in folder.tensors]
+    chosen = linear_weight_names(folder.path, stored, with_output_projection=True)
+    entries = [t for t in folder.tensors if t.name in chosen and len(t.shape) == 2
+               and getattr(torch, t.dtype) in DTYPES and math.prod(t.shape) > 0]
+    head = output_projection_name(folder.path, stored)
+    return entries, head if head in {e.name for e in entries} else None
 
 
 class _RowCodes:
@@ -99,11 +105,11 @@ class _RowCodes:
 
 
 def write_form(client: Client, namespace: str, folder: ModelFolder, entries: list[TensorEntry],
-               form: str, *, written: list[str],
+               form: str, *, written: list[str], output_projection: str | None = None,
                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write the `form` copies of `entries` (from `quantizable`) into `namespace`, appending
-    each name to `written` before writing it (so a failure can take it back); returns the
-    form's record for the manifest."""
+    """Write the `form` copies of `entries` (from `quantizable`, with the `output_projection`
+    it names) into `namespace`, appending each name to `written` before writing it (so a
+    failure can take it back); returns the form's record for the manifest."""
     block = BLOCK_SIZES[form]
     sources = {source.name: source for source in folder.weights}
     stored_bytes = 0
@@ -128,7 +134,7 @@ def write_form(client: Client, namespace: str, folder: ModelFolder, entries: lis
         client.write_from(weight.scales_name, rows.scales, namespace=namespace)
         stored_bytes += weight.nbytes
     return {"block": block, "scales_dtype": "the weight's", "tensors": [e.name for e in entries],
-            "bytes": stored_bytes}
+            "bytes": stored_bytes, "output_projection": output_projection}
 
 
 def quantized_weights(manifest: dict[str, Any], form: str) -> dict[str, QuantizedWeight]:

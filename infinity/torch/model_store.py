@@ -9,16 +9,18 @@ An imported model in namespace NAME is laid out so (a contract: streamed generat
 - every small file of the folder (config.json, generation_config.json, the tokenizer's files:
   see `model_folder`) as a 1-D uint8 tensor `__files__/<file name>`;
 - with `quantize=("int8",)` (or "int4", or both), for each weight of the model's linear layers
-  (`infinity.torch.quantize` says which, and why not the embeddings, the output projection or
-  the norms) a block-wise quantized copy beside it: its codes `__int8__/<name>` (int8, the
+  (`infinity.torch.quantize` says which, and why not the embeddings, a tied output projection
+  or the norms) a block-wise quantized copy beside it: its codes `__int8__/<name>` (int8, the
   weight's shape) or `__int4__/<name>` (uint8, two codes a byte: the last dimension halved,
   rounded up), and its scales `__int8_scales__/<name>` or `__int4_scales__/<name>` (the
   weight's dtype, one per block of the last dimension: shape (rows, ceil(n / block)));
 - `__model__`, a 1-D uint8 tensor of UTF-8 JSON, the manifest, written last, once everything
   else is durable: format version, source folder, per source file its size and CRC32C, per
   tensor its dtype, shape and file, the sum of tensor bytes, when and how long, and under
-  "quantized" per form made its block size, the names of the tensors it has copies of and
-  their bytes (`quantized_forms`, `require_quantized`). A namespace without it holds no
+  "quantized" per form made its block size, the names of the tensors it has copies of, their
+  bytes and which of them is the output projection's weight ("output_projection", null where
+  none is: generation streams that one in full precision unless asked; `quantized_forms`,
+  `require_quantized`). A namespace without it holds no
   complete imported model (`require_model` raises ModelNotFoundError).
 
 The registry namespace `infinity.models` holds one small uint8 JSON tensor per model, named by
@@ -195,21 +197,42 @@ def quantized_forms(manifest: dict[str, Any]) -> tuple[str, ...]:
     return tuple(form for form in FORMS if form in held)
 
 
-def require_quantized(client: Client, namespace: str, form: str) -> dict[str, QuantizedWeight]:
+def require_quantized(client: Client, namespace: str, form: str, *,
+                      output_projection: bool = False) -> dict[str, QuantizedWeight]:
     """The `form` copies of the model imported into `namespace`, by the name of the tensor
-    each copies; QuantizedFormNotFoundError, saying how to add them, where it has none
-    (ModelNotFoundError where the namespace holds no complete model)."""
+    each copies, the output projection's left out unless `output_projection`;
+    QuantizedFormNotFoundError, saying how to add them, where it has none (ModelNotFoundError
+    where the namespace holds no complete model). With `output_projection`, an error where the
+    form has no copy of it: InvalidRequestError where the model's is tied to its input
+    embeddings (or is no linear layer), QuantizedFormNotFoundError where the copies were made
+    before imports made one."""
     check_form(form)
     manifest = require_model(client, namespace)
+    source = manifest.get("source") or "MODEL_FOLDER"
     if form not in quantized_forms(manifest):
         held = ", ".join(quantized_forms(manifest)) or "none"
-        source = manifest.get("source") or "MODEL_FOLDER"
         raise QuantizedFormNotFoundError(
             f"namespace {namespace!r} holds no {form} copy of its model (quantized forms held: "
             f"{held}); add one with `infinity import {source} --namespace {namespace} "
             f"--quantize {form}` (an unchanged model gets only the copy added), or generate "
             f"without quantization")
-    return quantized_weights(manifest, form)
+    copies = quantized_weights(manifest, form)
+    record = manifest["quantized"][form]
+    head = record.get("output_projection")
+    if output_projection and head is None:
+        if "output_projection" not in record:
+            raise QuantizedFormNotFoundError(
+                f"the {form} copies of namespace {namespace!r} were made by an import that gave "
+                f"the output projection none; import the model into a new namespace (`infinity "
+                f"import {source} --namespace NEW_NAME --quantize {form}`), or generate with "
+                f"the output projection in full precision")
+        raise InvalidRequestError(
+            f"the model of namespace {namespace!r} has no output projection of its own (its "
+            f"weight is the input embeddings', or it is no linear layer), so it has no {form} "
+            f"copy; generate with the output projection in full precision")
+    if not output_projection and head is not None:
+        copies.pop(head, None)
+    return copies
 
 
 def model_files(client: Client, namespace: str) -> dict[str, bytes]:
@@ -438,12 +461,13 @@ class _Import:
         """The quantized copies of each form in `forms` (see `model_quantized`)."""
         if not forms:
             return
-        entries = quantizable(self.folder)
+        entries, head = quantizable(self.folder)
         for form in forms:
             advance = self.progress.task(f"quantizing to {form}",
                                          sum(entry.nbytes for entry in entries))
             self.quantized[form] = write_form(self.client, self.namespace, self.folder, entries,
-                                              form, written=self.written, progress=advance)
+                                              form, written=self.written,
+                                              output_projection=head, progress=advance)
 
     def add_forms(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Add the copies of `self.forms` to the unchanged model whose manifest is `manifest`

@@ -48,13 +48,17 @@ grid of 15 steps makes an outlier cost a block more, so smaller blocks pay for t
 Which weights (`linear_weight_names`): the weights of the model's linear layers (`nn.Linear`,
 and transformers' `Conv1D` of GPT-2, whose weight is (in, out): its blocks run along its output
 dimension, which the format allows as well), found by building the model from its config on the
-meta device. Left in full precision, and read so by streamed generation:
+meta device. The output projection (`get_output_embeddings()`, lm_head) gets a copy too where its
+weight is its own (`output_projection_name`), but streamed generation computes with it only on
+request (`load_causal_lm(quantized_lm_head=True)`): its error goes straight into the logits,
+where it changes greedy tokens most. It is one matrix (about 6% of a 1B Llama's bytes, but 11%
+of what such a model streams a token in int8 with the head in bf16), so the choice is the user's.
+Left in full precision, and read so by streamed generation:
 
-- the output projection (`get_output_embeddings()`, lm_head): its error goes straight into the
-  logits, where it changes greedy tokens most, and it is one matrix (about 6% of a 1B Llama);
-- the input embeddings: a lookup reads a few rows per token, but dequantizing before the
-  module's forward would expand the whole table every token, costing more than the bytes saved
-  (and tied to the output projection, they are it);
+- an output projection tied to the input embeddings (they are one tensor): the embeddings would
+  have to compute from the copy too, and an embedding lookup reads a few rows per token, where
+  dequantizing before the module's forward would expand the whole table every token;
+- the input embeddings, for that reason;
 - norms, biases and every 1-D tensor: a fraction of a percent of the bytes, and a norm's weight
   scales every activation.
 
@@ -77,7 +81,8 @@ from infinity.errors import InvalidRequestError
 from infinity.io.native import native
 
 __all__ = ["BLOCK_SIZES", "FORMS", "FUSED_MAX_ROWS", "DequantBuffers", "QuantizedWeight",
-           "dequantize", "linear", "linear_weight_names", "quantize", "round_trip"]
+           "dequantize", "linear", "linear_weight_names", "output_projection_name", "quantize",
+           "round_trip"]
 
 FORMS = ("int8", "int4")
 BLOCK_SIZES = {"int8": 128, "int4": 64}
@@ -314,28 +319,19 @@ class DequantBuffers:
         return sum(t.numel() * t.element_size() for ts in self._idle.values() for t in ts)
 
 
-def linear_weight_names(folder: str, stored: Iterable[str]) -> set[str]:
+def linear_weight_names(folder: str, stored: Iterable[str], *,
+                        with_output_projection: bool = False) -> set[str]:
     """The names among `stored` of the weights of the linear layers of the causal LM whose
-    config.json is in `folder`, its output projection left out (see the module docstring).
-    InvalidRequestError where transformers cannot build the model as a causal LM."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except ValueError as exc:
-        raise InvalidRequestError(
-            f"transformers cannot build the model of {folder} as a causal LM ({exc}), so its "
-            f"linear layers are not known; import it without quantized copies") from None
+    config.json is in `folder`: the output projection only `with_output_projection` and where it
+    is not tied to the input embeddings (see the module docstring). InvalidRequestError where
+    transformers cannot build the model as a causal LM."""
+    model = _meta_causal_lm(folder)
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    head = model.get_output_embeddings()
-    embeddings = model.get_input_embeddings()
-    left_out = {id(module.weight) for module in (head, embeddings)
-                if module is not None and isinstance(getattr(module, "weight", None),
-                                                     torch.Tensor)}
+    left_out = _weight_ids(model.get_input_embeddings())
+    if not with_output_projection:
+        left_out |= _weight_ids(model.get_output_embeddings())
     stored = set(stored)
     found: set[str] = set()
     for module in model.modules():
@@ -345,3 +341,39 @@ def linear_weight_names(folder: str, stored: Iterable[str]) -> set[str]:
             continue
         found.update(name for name in names.get(id(weight), ()) if name in stored)
     return found
+
+
+def output_projection_name(folder: str, stored: Iterable[str]) -> str | None:
+    """The name among `stored` of the output projection's weight of the causal LM whose
+    config.json is in `folder`, where it is a linear layer's weight of its own (not tied to the
+    input embeddings); None otherwise."""
+    model = _meta_causal_lm(folder)
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    linear = isinstance(head, torch.nn.Linear) or type(head).__name__ == "Conv1D"
+    if (not linear or not isinstance(weight, torch.Tensor)
+            or id(weight) in _weight_ids(model.get_input_embeddings())):
+        return None
+    stored = set(stored)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param is weight and name in stored:
+            return name
+    return None
+
+
+def _meta_causal_lm(folder: str) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"transformers cannot build the model of {folder} as a causal LM ({exc}), so its "
+            f"linear layers are not known; import it without quantized copies") from None
+
+
+def _weight_ids(module: Any) -> set[int]:
+    weight = getattr(module, "weight", None) if module is not None else None
+    return {id(weight)} if isinstance(weight, torch.Tensor) else set()
