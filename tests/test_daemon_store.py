@@ -372,3 +372,66 @@ def test_a_namespace_longer_than_one_listing_page_is_listed_whole_and_in_order(
     client.put("other", torch.ones(1))
     listed = client.list(prefix="t")
     assert [info.name for info in listed] == names
+
+
+# --- cpu.create_at_start: the budget's segments made ahead ----------------------------------
+
+
+def _made_ahead(daemon_factory: Callable[..., RunningDaemon]) -> Any:
+    """A client of a daemon that makes its 64 MiB budget (8 MiB segments) at start, once all of
+    it is made."""
+    client = daemon_factory(**{"cpu.create_at_start": True}).connect("pytest")
+    wait_until(lambda: client.stats()["tiers"]["cpu"]["blank_bytes"] == 64 * MiB, timeout_s=30,
+               what="the budget's segments to be made ahead")
+    return client
+
+
+def test_with_create_at_start_the_budget_is_made_before_any_put_and_no_client_maps_it(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    client = _made_ahead(daemon_factory)
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_segments"] == 0 and cpu["allocated_bytes"] == 0  # not live: not handed out
+    assert client.stats()["counters"]["tiers"]["segments_created"] == 0
+    client.close()
+
+
+def test_a_put_takes_a_segment_made_ahead_and_reads_back_what_it_wrote(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    client = _made_ahead(daemon_factory)
+    values = [torch.full((MiB - 7,), i, dtype=torch.int32) for i in range(3)]  # 4 MiB each
+    for i, value in enumerate(values):
+        client.put(f"t{i}", value)
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_segments"] == 2 and cpu["blank_bytes"] == 48 * MiB
+    assert client.stats()["counters"]["tiers"]["segments_created"] == 2
+    for i, value in enumerate(values):
+        with client.get(f"t{i}") as view:
+            assert torch.equal(view, value)
+    client.close()
+
+
+def test_a_read_only_namespace_gets_a_segment_made_ahead_of_its_own_class(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    client = _made_ahead(daemon_factory)
+    client.create_namespace("weights", mode="read-only")
+    value = torch.arange(3 * MiB // 4 - 5, dtype=torch.int32)
+    client.put("w", value, namespace="weights")
+    client.put("x", torch.ones(11), namespace="scratch")
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_segments"] == 2 and cpu["num_read_only_segments"] == 1
+    assert cpu["blank_bytes"] == 48 * MiB
+    client.close()
+
+
+def test_a_tensor_needing_a_segment_of_its_own_takes_the_budget_of_segments_made_ahead(
+        daemon_factory: Callable[..., RunningDaemon]) -> None:
+    client = _made_ahead(daemon_factory)
+    value = torch.arange(13 * MiB // 4 + 1, dtype=torch.int32)  # 13 MiB: over half a segment
+    client.put("big", value)
+    cpu = client.stats()["tiers"]["cpu"]
+    assert cpu["num_dedicated_segments"] == 1
+    assert cpu["blank_bytes"] + cpu["allocated_bytes"] <= 64 * MiB
+    assert cpu["blank_bytes"] >= 64 * MiB - 14 * MiB - 8 * MiB  # no more taken than it needs
+    with client.get("big") as view:
+        assert torch.equal(view, value)
+    client.close()

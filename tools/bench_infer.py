@@ -23,8 +23,9 @@ budget:
 
 - `memory`: the whole model in the process (`from_pretrained`), no limit: the compute's floor;
 - `infinity`: a private infinityd whose CPU tier is the budget (the daemon is the worker's child,
-  in the same cgroup), the model built with `infinity.torch.generation.load_causal_lm`: weights
-  stream from NVMe, prefetched by the step trace;
+  in the same cgroup; it makes its tier's segments at start, `cpu.create_at_start`, while the
+  worker builds the model), the model built with `infinity.torch.generation.load_causal_lm`:
+  weights stream from NVMe, prefetched by the step trace;
 - `infinity-int8`, `infinity-int4`: the same, streaming the import's quantized copies of the
   linear layers' weights (`load_causal_lm(quantization=...)`), dequantized layer by layer
   (decode steps multiply from the codes), the output projection in bf16;
@@ -281,7 +282,10 @@ def daemon_settings(work: Path, *, cpu_budget_bytes: int, weight_bytes: int) -> 
             "cpu.segment_bytes": segment, "nvme.dirs": [str(store)],
             # The weights, their int8 and int4 copies (at most 0.8x of them) and room.
             "nvme.capacity_bytes_per_dir": (3 * weight_bytes + (1 << 30)) // 4096 * 4096,
-            "scheduler.prefetch": True}
+            "scheduler.prefetch": True,
+            # A node's daemon is there before its clients: its tier is made while the model
+            # is built, not while the first token waits for it (docs/BENCHMARKS.md, session 21).
+            "cpu.create_at_start": True}
 
 
 def import_model(model_dir: Path, work: Path, weight_bytes: int,

@@ -28,6 +28,14 @@ hundred MiB, so it is split in two: the loop asks `allocate`, which raises
 `create_segment` on a worker thread and `install`s the result. The arena never
 blocks, and never touches tensor bytes except to poison freed ranges in debug
 mode.
+
+Memory the VM has not backed yet makes that slow: 180-250 ms for a 64 MiB segment with huge
+pages on this project's VM, against 17 ms for memory freed a moment before; a fresh daemon's
+first step waited on its segments one after the other. With `cpu.create_at_start` the daemon
+makes its budget's segments ahead, one at a time on the worker thread, as blanks (`Blank`):
+memory with no id, no class and no client, which counts against the budget and becomes a
+standard segment of whatever class first needs one (`install_blank`), at no cost then. A
+dedicated segment's budget takes blanks back (they are retired first).
 """
 
 from __future__ import annotations
@@ -120,6 +128,24 @@ class Segment:
             os.close(self.read_only_fd)
 
 
+class Blank:
+    """A segment's memory made ahead (`cpu.create_at_start`): not live, never handed to a
+    client, until `CpuArena.install_blank` makes it a standard segment."""
+
+    def __init__(self, fd: int, mm: mmap.mmap, size_bytes: int, *, hugepages: bool,
+                 locked: bool) -> None:
+        self.fd, self.mm, self.size_bytes = fd, mm, size_bytes
+        self.hugepages, self.locked = hugepages, locked
+
+    def destroy(self) -> None:
+        try:
+            self.mm.madvise(mmap.MADV_REMOVE)
+        except OSError:
+            pass
+        self.mm.close()
+        os.close(self.fd)
+
+
 def _read_only_fd(fd: int) -> int:
     """The file of `fd` opened anew for reading only: a client mapping it cannot ask for
     PROT_WRITE (EACCES), and mprotect cannot add it later. The file's mode drops to 0400 first,
@@ -181,7 +207,7 @@ def _prefault(mm: mmap.mmap, size_bytes: int) -> None:
             mm[page] = 0
 
 
-def _collapse(segment: int, fd: int, size_bytes: int) -> bool:
+def _collapse(name: str, fd: int, size_bytes: int) -> bool:
     """Huge pages for a new segment where shmem_enabled does not give them on request:
     MADV_COLLAPSE (Linux 6.1+). What decides is not the TLB but the disk: O_DIRECT loads into
     scattered 4 KiB pages ran at a third of the disk's speed on this project's VM
@@ -194,14 +220,14 @@ def _collapse(segment: int, fd: int, size_bytes: int) -> bool:
             os.pwrite(fd, b"\0", offset)
         failed = native().collapse_shared_memory(fd, size_bytes)
     except (OSError, IOEngineError) as exc:
-        log.debug("no huge pages for CPU-tier segment %d: %s", segment, exc)
+        log.debug("no huge pages for CPU-tier segment %s: %s", name, exc)
         return False
     if failed in (errno.ENOMEM, errno.EAGAIN):
-        log.warning("CPU-tier segment %d keeps 4 KiB pages, at least in part (MADV_COLLAPSE: %s; "
+        log.warning("CPU-tier segment %s keeps 4 KiB pages, at least in part (MADV_COLLAPSE: %s; "
                     "memory too fragmented, or a memory cgroup at its limit): NVMe loads into it "
-                    "run slower; nvme.staged_reads=on avoids that", segment, os.strerror(failed))
+                    "run slower; nvme.staged_reads=on avoids that", name, os.strerror(failed))
     elif failed:
-        log.debug("no huge pages for CPU-tier segment %d: %s", segment, os.strerror(failed))
+        log.debug("no huge pages for CPU-tier segment %s: %s", name, os.strerror(failed))
     return not failed
 
 
@@ -214,16 +240,36 @@ def _dedicated_size(nbytes: int) -> int:
 
 def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
     """Create, map, prefault (and optionally lock) a segment. Blocking: runs off the loop thread."""
-    fd = _shared_memory_fd(f"infinity-seg-{plan.segment}")
+    fd, mm, hugepages, locked = _make_memory(f"infinity-seg-{plan.segment}", plan.size_bytes,
+                                             config)
+    try:
+        return Segment(plan, fd, mm, hugepages=hugepages, locked=locked)
+    except BaseException:
+        mm.close()
+        os.close(fd)
+        raise
+
+
+def create_blank(size_bytes: int, config: CpuTierConfig) -> Blank:
+    """A segment's memory made ahead, as `create_segment` makes it. Blocking: off the loop."""
+    fd, mm, hugepages, locked = _make_memory("infinity-seg-blank", size_bytes, config)
+    return Blank(fd, mm, size_bytes, hugepages=hugepages, locked=locked)
+
+
+def _make_memory(name: str, size_bytes: int,
+                 config: CpuTierConfig) -> tuple[int, mmap.mmap, bool, bool]:
+    """A memfd of `size_bytes`, mapped, prefaulted (and optionally locked): (fd, mapping,
+    huge pages, locked)."""
+    fd = _shared_memory_fd(name)
     mm: mmap.mmap | None = None
     try:
-        os.ftruncate(fd, plan.size_bytes)
+        os.ftruncate(fd, size_bytes)
         hugepages = False
         on_request = config.hugepages and shmem_hugepages_allowed()
         if config.hugepages and config.prefault and not on_request:
             # Not without prefault: that setting asks for no memory until it is used.
-            hugepages = _collapse(plan.segment, fd, plan.size_bytes)
-        mm = mmap.mmap(fd, plan.size_bytes, flags=mmap.MAP_SHARED,
+            hugepages = _collapse(name, fd, size_bytes)
+        mm = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
         if on_request:
             try:
@@ -232,18 +278,18 @@ def create_segment(plan: SegmentPlan, config: CpuTierConfig) -> Segment:
             except OSError:
                 pass  # unsupported here: 4 KiB pages, as the setting promises
         if config.prefault:
-            _prefault(mm, plan.size_bytes)
+            _prefault(mm, size_bytes)
         locked = False
         if config.lock:
             address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(plan.size_bytes)) != 0:
+            if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size_bytes)) != 0:
                 err = ctypes.get_errno()
                 raise ConfigError(
-                    f"cannot lock a {plan.size_bytes}-byte CPU-tier segment in memory "
+                    f"cannot lock a {size_bytes}-byte CPU-tier segment in memory "
                     f"({os.strerror(err)}); raise the memlock limit (ulimit -l, or LimitMEMLOCK="
                     f"infinity in the systemd unit) or set cpu.lock=false")
             locked = True
-        return Segment(plan, fd, mm, hugepages=hugepages, locked=locked)
+        return fd, mm, hugepages, locked
     except BaseException:
         if mm is not None:
             mm.close()
@@ -264,6 +310,9 @@ class CpuArena:
         self._segment_bytes_total = 0  # live segments
         self._planned_bytes = 0  # segments being created
         self._planned: dict[int, SegmentPlan] = {}
+        self._blanks: list[Blank] = []  # made ahead (cpu.create_at_start), not live
+        self._blank_bytes = 0
+        self._preparing_bytes = 0  # blanks being made
         self.used_bytes = 0  # allocated ranges (rounded), all segments
         self.counters_converted = 0  # empty segments that changed kind instead of being retired
         # Namespaces whose tensors sit in segments of their own class (read-only ones): the class
@@ -284,9 +333,15 @@ class CpuArena:
     def growing(self) -> bool:
         return bool(self._planned)
 
+    @property
+    def preparing(self) -> bool:
+        """Whether a blank is being made (its budget comes back as a blank soon)."""
+        return self._preparing_bytes > 0
+
     def _room_bytes(self) -> int:
-        """Budget not yet given to a segment, rounded down to whole 2 MiB granules."""
-        room = self.budget_bytes - self._segment_bytes_total - self._planned_bytes
+        """Budget not yet given to a segment or a blank, rounded down to whole 2 MiB granules."""
+        room = (self.budget_bytes - self._segment_bytes_total - self._planned_bytes
+                - self._blank_bytes - self._preparing_bytes)
         return max(0, room) // SEGMENT_GRANULE_BYTES * SEGMENT_GRANULE_BYTES
 
     # --- segment classes ----------------------------------------------------------
@@ -344,12 +399,14 @@ class CpuArena:
         # Empty segments that cannot serve this allocation give their budget back: idle
         # dedicated ones, and standard ones: any of them for a dedicated segment, those of
         # other classes for a standard one (without read-only namespaces, there are none).
+        if not dedicated and any(b.size_bytes >= length for b in self._blanks):
+            raise SpaceShortage(length, dedicated=False, segment_class=segment_class)
         other_classes: object = _ANY_CLASS if dedicated else segment_class
         if (not self.growing and self._room_bytes() < need
                 and self._room_bytes() + self._retirable_bytes(other_classes) >= need):
             self._retire_empty(need, other_classes)
             raise SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
-        if self.growing or self._room_bytes() >= need:
+        if self.growing or self.preparing or self._room_bytes() >= need:
             raise SpaceShortage(length, dedicated=dedicated, segment_class=segment_class)
         raise TierFullError(
             f"the CPU tier is full: {self.used_bytes} of {self.budget_bytes} bytes are in use "
@@ -396,11 +453,57 @@ class CpuArena:
         self._planned_bytes -= plan.size_bytes
         self.segments[segment.id] = segment
         self._segment_bytes_total += segment.size_bytes
-        log.info("CPU tier: segment %d of %d bytes%s%s%s%s", segment.id, segment.size_bytes,
+        self._log_segment(segment)
+
+    @staticmethod
+    def _log_segment(segment: Segment, how: str = "") -> None:
+        log.info("CPU tier: segment %d of %d bytes%s%s%s%s%s", segment.id, segment.size_bytes,
                  " (dedicated)" if segment.dedicated else "",
                  "" if segment.segment_class is None else
                  f" for read-only namespace {segment.segment_class!r}",
-                 ", huge pages" if segment.hugepages else "", ", locked" if segment.locked else "")
+                 ", huge pages" if segment.hugepages else "", ", locked" if segment.locked else "",
+                 f", {how}" if how else "")
+
+    # --- blanks (segments made ahead) -------------------------------------------------
+
+    def plan_blank(self) -> int | None:
+        """Claim budget for a blank to make ahead: its size, or None where the budget has no
+        room for one."""
+        size = min(self.config.segment_bytes, self._room_bytes())
+        if size <= 0:
+            return None
+        self._preparing_bytes += size
+        return size
+
+    def add_blank(self, blank: Blank) -> None:
+        """A blank planned with `plan_blank` was made."""
+        self._preparing_bytes -= blank.size_bytes
+        self._blanks.append(blank)
+        self._blank_bytes += blank.size_bytes
+
+    def abandon_blank(self, size_bytes: int) -> None:
+        """A blank planned with `plan_blank` could not be made (or is not wanted)."""
+        self._preparing_bytes -= size_bytes
+
+    def install_blank(self, shortage: SpaceShortage) -> Segment | None:
+        """A blank made live as the standard segment `shortage` asks for (of its class), or
+        None: a dedicated shortage, or no blank large enough."""
+        if shortage.dedicated:
+            return None
+        fitting = [b for b in self._blanks if b.size_bytes >= shortage.nbytes]
+        if not fitting:
+            return None
+        blank = max(fitting, key=lambda b: b.size_bytes)
+        self._blanks.remove(blank)
+        self._blank_bytes -= blank.size_bytes
+        plan = SegmentPlan(self._next_segment, blank.size_bytes, False, shortage.segment_class)
+        self._next_segment += 1
+        segment = Segment(plan, blank.fd, blank.mm, hugepages=blank.hugepages,
+                          locked=blank.locked)
+        self.segments[segment.id] = segment
+        self._segment_bytes_total += segment.size_bytes
+        self._log_segment(segment, "made ahead")
+        return segment
 
     def abandon(self, plan: SegmentPlan) -> None:
         """A planned segment could not be created: its budget is free again."""
@@ -471,9 +574,14 @@ class CpuArena:
         return sorted(empty, key=lambda s: not s.dedicated)
 
     def _retirable_bytes(self, other_than: object = _ANY_CLASS) -> int:
-        return sum(s.size_bytes for s in self._retirable(other_than))
+        return self._blank_bytes + sum(s.size_bytes for s in self._retirable(other_than))
 
     def _retire_empty(self, need: int, other_than: object = _ANY_CLASS) -> None:
+        """Blanks first (no client maps them), then empty segments, until `need` fits."""
+        while self._blanks and self._room_bytes() < need:
+            blank = self._blanks.pop()
+            self._blank_bytes -= blank.size_bytes
+            blank.destroy()
         for segment in self._retirable(other_than):
             if self._room_bytes() >= need:
                 break
@@ -497,6 +605,10 @@ class CpuArena:
             segment.destroy()
         self.segments.clear()
         self._segment_bytes_total = 0
+        for blank in self._blanks:
+            blank.destroy()
+        self._blanks.clear()
+        self._blank_bytes = 0
 
     def stats(self) -> dict[str, int]:
         return {
@@ -513,6 +625,7 @@ class CpuArena:
             "num_read_only_segments": sum(1 for s in self.segments.values()
                                           if s.segment_class is not None),
             "growing_bytes": self._planned_bytes,
+            "blank_bytes": self._blank_bytes,  # made ahead, not live yet (cpu.create_at_start)
             "huge_page_bytes": sum(s.size_bytes for s in self.segments.values() if s.hugepages),
             "segments_converted": self.counters_converted,
         }

@@ -4,7 +4,10 @@ It owns, for the tier modules above it:
 
 - the CPU tier's growth: a segment is created on a worker thread when an
   allocation finds the tier short and the budget allows one; requests that
-  need room wait (`when_space`) and retry once it came, or room was freed;
+  need room wait (`when_space`) and retry once it came, or room was freed.
+  With `cpu.create_at_start`, blanks are made ahead on the worker thread, one
+  after another until the budget is taken (`make_blanks_ahead`), and a
+  shortage a blank serves takes it at once (see `infinity.daemon.arena`);
 - slices handed out without evicting (`allocate_spare`: a spare reservation
   never waits nor evicts) and given back (`free`), their padding zeroed;
 - the NVMe store files' growth (off the loop) and extents handed out
@@ -29,8 +32,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 from infinity.config import InfinityConfig
-from infinity.daemon.arena import (ALIGNMENT_BYTES, CpuArena, CpuSlice, Segment, SegmentPlan,
-                                   SpaceShortage, create_segment)
+from infinity.daemon.arena import (ALIGNMENT_BYTES, Blank, CpuArena, CpuSlice, Segment,
+                                   SegmentPlan, SpaceShortage, create_blank, create_segment)
 from infinity.daemon.catalog import Version
 from infinity.daemon.diskcopy import DiskCopy
 from infinity.daemon.loop import EventLoop
@@ -171,10 +174,20 @@ class TierSpace:
     # --- CPU growth -------------------------------------------------------------------------
 
     def start_growth(self, shortage: SpaceShortage) -> bool:
-        """Whether the tier is growing now: already, or by a segment started for `shortage`
-        (False: the budget has no room for it)."""
+        """Whether the tier is growing now: already, by a blank made live for `shortage` (its
+        waiters retry on the loop's next turn), by a segment started for it, or soon, as
+        blanks being made come back (False: the budget has no room for it)."""
         arena = self.arena
-        if arena.growing:
+        segment = arena.install_blank(shortage)
+        if segment is not None:
+            self.counters.segments_created += 1
+            self.on_change()
+            # The caller parks its request after this returns: wake it on the next turn.
+            if not self._wake_scheduled:
+                self._wake_scheduled = True
+                self.loop.call_soon_threadsafe(self._run_space_waiters)
+            return True
+        if arena.growing or arena.preparing:
             return True
         plan = arena.plan_growth(shortage)
         if plan is None:
@@ -209,6 +222,35 @@ class TierSpace:
             # Made for one tensor, whose request went with its client while the segment was
             # being created (or took another): empty, it would hold its budget forever.
             self.arena.retire_if_empty(segment.id)
+
+    def make_blanks_ahead(self) -> None:
+        """Make the budget's segments ahead, one blank at a time on the worker thread, until
+        the budget is taken (`cpu.create_at_start`)."""
+        if self.closing:
+            return
+        size = self.arena.plan_blank()
+        if size is None:
+            return
+        config = self.config.cpu
+        self.loop.run_in_worker(lambda: create_blank(size, config),
+                                lambda done: self._blank_made(size, done))
+
+    def _blank_made(self, size: int, done: Future[Blank]) -> None:
+        try:
+            blank = done.result()
+        except Exception as exc:  # the memory is not there: segments come when needed, or fail
+            self.arena.abandon_blank(size)
+            log.warning("CPU tier: could not make a %d-byte segment ahead (%s: %s); segments "
+                        "are made when needed", size, type(exc).__name__, exc)
+            self.wake_space()
+            return
+        if self.closing:
+            self.arena.abandon_blank(size)
+            blank.destroy()
+            return
+        self.arena.add_blank(blank)
+        self.wake_space()  # whoever waits for room may take it, or its budget
+        self.make_blanks_ahead()
 
     # --- NVMe space -------------------------------------------------------------------------
 

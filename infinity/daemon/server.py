@@ -167,6 +167,8 @@ class Daemon:
         log.info("infinityd %s serving %s (CPU tier budget %d bytes in segments of %d, "
                  "client timeout %.1fs)", __version__, self.layout.root, self.config.cpu.budget_bytes,
                  self.config.cpu.segment_bytes, self.config.daemon.client_timeout_s)
+        if self.config.cpu.create_at_start:
+            self.tiers.space.make_blanks_ahead()
         self.loop.run()
 
     def stop(self) -> None:
