@@ -396,11 +396,13 @@ class CpuArena:
         # The tier may grow (or is growing): the caller waits for it. (The exception is made in
         # the raise, never kept in a local: this frame, in its traceback, would hold it, a
         # reference cycle per shortage that only the daemon's rare full collections free.)
-        # Empty segments that cannot serve this allocation give their budget back: idle
-        # dedicated ones, and standard ones: any of them for a dedicated segment, those of
-        # other classes for a standard one (without read-only namespaces, there are none).
+        # A blank (a segment made ahead) large enough becomes the standard segment this needs.
         if not dedicated and any(b.size_bytes >= length for b in self._blanks):
             raise SpaceShortage(length, dedicated=False, segment_class=segment_class)
+        # Empty segments that cannot serve this allocation give their budget back (after any
+        # blanks): idle dedicated ones, and standard ones: any of them for a dedicated segment,
+        # those of other classes for a standard one (without read-only namespaces, there are
+        # none).
         other_classes: object = _ANY_CLASS if dedicated else segment_class
         if (not self.growing and self._room_bytes() < need
                 and self._room_bytes() + self._retirable_bytes(other_classes) >= need):
