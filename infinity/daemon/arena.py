@@ -118,12 +118,7 @@ class Segment:
 
     def destroy(self) -> None:
         """Give the memory back now, even while clients still map the segment."""
-        try:
-            self.mm.madvise(mmap.MADV_REMOVE)
-        except OSError:
-            pass
-        self.mm.close()
-        os.close(self.fd)
+        _give_back(self.fd, self.mm)
         if self.read_only_fd >= 0:
             os.close(self.read_only_fd)
 
@@ -138,12 +133,18 @@ class Blank:
         self.hugepages, self.locked = hugepages, locked
 
     def destroy(self) -> None:
-        try:
-            self.mm.madvise(mmap.MADV_REMOVE)
-        except OSError:
-            pass
-        self.mm.close()
-        os.close(self.fd)
+        _give_back(self.fd, self.mm)
+
+
+def _give_back(fd: int, mm: mmap.mmap) -> None:
+    """Free a memfd's memory (MADV_REMOVE: at once, even where clients map it), unmap it and
+    close it."""
+    try:
+        mm.madvise(mmap.MADV_REMOVE)
+    except OSError:
+        pass
+    mm.close()
+    os.close(fd)
 
 
 def _read_only_fd(fd: int) -> int:
