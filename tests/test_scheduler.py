@@ -197,6 +197,65 @@ def test_the_order_of_a_step_that_diverged_is_replayed_by_the_next_step() -> Non
     assert sched.step_end(TRAINER, end + 0.2).outcome == "replayed"
 
 
+def test_a_new_client_that_begins_as_another_did_borrows_its_trace_and_is_prefetched_for() -> None:
+    sched = scheduler(lookahead_max_fraction=1.0, divergence_window=3)
+    order = keys(11)
+    end = run_step(sched, order, start_s=0.0)  # the first process records
+    second: StreamKey = ("ns", "second")
+    sched.step_begin(second, end)
+    for i, key in enumerate(order[:2]):
+        sched.touched(second, key, MiB, end + 0.01 * (i + 1))
+    assert client(sched, second)["state"] == "recording"  # two accesses say too little
+    sched.touched(second, order[2], MiB, end + 0.03)
+    assert client(sched, second)["state"] == "replaying"
+    assert sched.plan_prefetch()[:2] == order[3:5]
+    for i, key in enumerate(order[3:], start=4):
+        sched.touched(second, key, MiB, end + 0.01 * i)
+    summary = sched.step_end(second, end + 0.2)
+    assert summary.outcome == "replayed" and summary.trace_updated  # the daemon saves it
+    assert client(sched, second)["totals"]["traces_borrowed"] == 1
+    assert sched.export_trace(second) is not None  # its own from now on
+
+
+def test_a_new_client_that_begins_otherwise_records_and_borrows_nothing() -> None:
+    sched = scheduler(lookahead_max_fraction=1.0, divergence_window=3)
+    order = keys(11)
+    end = run_step(sched, order, start_s=0.0)
+    second: StreamKey = ("ns", "second")
+    sched.step_begin(second, end)
+    for i, key in enumerate([order[0], order[1], ("ns", "its own"), *order[3:]]):  # parts third
+        sched.touched(second, key, MiB, end + 0.01 * (i + 1))
+        assert client(sched, second)["state"] == "recording"
+    sched.step_end(second, end + 0.2)
+    totals = client(sched, second)["totals"]
+    assert totals["traces_borrowed"] == 0 and totals["traces_recorded"] == 1
+
+
+def test_a_client_of_another_namespace_borrows_no_trace() -> None:
+    sched = scheduler(lookahead_max_fraction=1.0, divergence_window=3)
+    order = keys(11)
+    end = run_step(sched, order, start_s=0.0)
+    elsewhere: StreamKey = ("other", "second")
+    sched.step_begin(elsewhere, end)
+    for i, key in enumerate(order[:4]):  # the same tensors, read from another stream's namespace
+        sched.touched(elsewhere, key, MiB, end + 0.01 * (i + 1))
+    assert client(sched, elsewhere)["state"] == "recording"
+
+
+def test_a_borrowed_trace_the_step_then_leaves_is_replaced_by_the_steps_own_order() -> None:
+    sched = scheduler(lookahead_max_fraction=1.0, divergence_window=3)
+    order = keys(11)
+    end = run_step(sched, order, start_s=0.0)
+    second: StreamKey = ("ns", "second")
+    own = order[:3] + keys(20, "ns")[11:19]  # begins alike, then reads tensors of its own
+    end = run_step(sched, own, start_s=end, stream=second)
+    assert client(sched, second)["totals"]["traces_borrowed"] == 1
+    exported = sched.export_trace(second)
+    assert exported is not None and len(exported["entries"]) == len(own)
+    assert sched.export_trace(TRAINER) is not None  # the lender's trace is its own still
+    assert len(sched.export_trace(TRAINER)["entries"]) == len(order)
+
+
 def test_a_diverged_step_too_long_to_record_leaves_the_next_step_to_record() -> None:
     sched = scheduler(trace_max_entries=16)
     end = run_step(sched, keys(12), start_s=0.0)

@@ -198,6 +198,30 @@ def test_processes_generating_from_one_import_share_one_copy(daemon: Any, client
     assert used_during == used_before
 
 
+def test_a_second_client_generating_from_the_model_replays_the_firsts_trace_from_its_first_step(
+        nvme_daemon: Any, disk_tmp: str) -> None:
+    folder = os.path.join(disk_tmp, "model")
+    llama().save_pretrained(folder)
+    client = nvme_daemon.connect("first")
+    other = nvme_daemon.connect("second")
+    try:
+        import_model(client, folder, namespace="lm", progress=False)
+        load_causal_lm(client, namespace="lm").generate(**prompts(1, 7), max_new_tokens=3,
+                                                        do_sample=False)
+        inputs = prompts(1, 5, seed=6)
+        tokens = load_causal_lm(other, namespace="lm").generate(**inputs, max_new_tokens=3,
+                                                                do_sample=False)
+        second = next(c for c in client.stats()["scheduler"]["clients"]
+                      if (c["namespace"], c["client"]) == ("lm", "second"))
+    finally:
+        other.close()
+        client.close()
+    assert second["totals"]["traces_borrowed"] == 1  # its first step, then its own trace
+    assert second["totals"]["traces_recorded"] == 0 and second["totals"]["divergences"] == 0
+    expected = in_memory(folder).generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, expected)
+
+
 def test_a_write_to_a_shared_model_is_refused(daemon: Any, client: Any, disk_tmp: str) -> None:
     folder = os.path.join(disk_tmp, "model")
     gpt2().save_pretrained(folder)

@@ -162,6 +162,8 @@ class Scheduler:
             s.recorder.observe(key, nbytes, gap_s, write=write)
         if s.state is StreamState.REPLAYING:
             self._steps.replay_access(s, key, gap_s)
+        elif s.state is StreamState.RECORDING:
+            self._steps.borrow_trace(s)
         return kind
 
     def wait_started(self, stream: StreamKey, now_s: float) -> None:

@@ -11,6 +11,13 @@ everything that happens to one between the daemon's step markers:
   replaces it with its own order, which the next step replays (not records:
   a model that changes for good, such as another quantized form under the
   same client name, costs one step without prefetch, not two);
+- a stream with no trace of its own (a client name new to the namespace, or a
+  second process under a name a live client holds) borrows, once its step's
+  first `divergence_window` accesses are recorded, the trace of another stream
+  of its namespace that began with the same accesses (`borrow_trace`): a
+  process generating from a model another process already streamed is
+  prefetched for from its first step, not its second. (Traces are immutable,
+  so the two streams share it until one refreshes its own.)
 - waits and stalls, so that waiting for data stays out of the trace's timing;
 - clients leaving and coming back, and traces kept for clients gone.
 
@@ -175,6 +182,7 @@ class Steps:
                                                  step_gap_s=s.step_gap_s)
                 unconsumed = [e.key for e in replay.trace.entries[replay.position:]]
                 outcome = "replayed"
+                updated = s.step.traces_borrowed > 0  # the stream's own trace now: to be kept
             else:
                 if not replay.diverged:
                     s.add("divergences")  # left the trace at the very end (too short, or extra accesses)
@@ -211,6 +219,35 @@ class Steps:
         s.epoch = 0
         s.add("traces_recorded")
         return True
+
+    def borrow_trace(self, s: Stream) -> None:
+        """After a recording step's access: where the step's first `divergence_window`
+        accesses are exactly how another stream of the namespace's trace begins, replay that
+        trace from there (see the module docstring); the step goes on recording."""
+        recorder = s.recorder
+        window = self._config.divergence_window
+        if (s.state is not StreamState.RECORDING or recorder is None
+                or len(recorder.entries) != window):
+            return
+        begun = [entry.key for entry in recorder.entries]
+        lenders = [o for o in self.streams.values()
+                   if o is not s and o.key[0] == s.key[0] and o.trace is not None
+                   and len(o.trace) > window
+                   and [entry.key for entry in o.trace.entries[:window]] == begun]
+        if not lenders:
+            return
+        # The most recently stepping one: its trace says most about the model as it is now.
+        lender = max(lenders, key=lambda o: (o.active, o.step_ended_s or 0.0, o.left_s or 0.0))
+        assert lender.trace is not None
+        s.trace = lender.trace
+        s.off_trace_before = frozenset()
+        s.epoch = 0
+        s.replay = replay = Replay(lender.trace, window=window)
+        for entry in recorder.entries:
+            replay.observe(entry.key, entry.gap_s)
+        s.state = StreamState.REPLAYING
+        s.add("traces_borrowed")
+        self._nextuse.sync(s)
 
     def replay_access(self, s: Stream, key: TensorKey, gap_s: float) -> None:
         """A replaying stream's access: move its cursor, count skips and strays, and keep its

@@ -67,6 +67,7 @@ class Counters:
     skipped_entries: int = 0
     unexpected_accesses: int = 0
     traces_recorded: int = 0
+    traces_borrowed: int = 0  # steps that replayed another stream's trace (`Steps.borrow_trace`)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
