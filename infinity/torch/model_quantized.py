@@ -40,13 +40,11 @@ def quantizable(folder: ModelFolder) -> tuple[list[TensorEntry], str | None]:
     """The tensors of `folder` that get quantized copies (see `infinity.torch.quantize`), in
     the order of their bytes, and the name of the output projection's weight among them (None
     where it has no copy: tied to the input embeddings, say)."""
-    from infinity.torch.quantize import linear_weight_names, output_projection_name
+    from infinity.torch.quantize import copied_weight_names
 
-    stored = [t.name for t in folder.tensors]
-    chosen = linear_weight_names(folder.path, stored, with_output_projection=True)
+    chosen, head = copied_weight_names(folder.path, (t.name for t in folder.tensors))
     entries = [t for t in folder.tensors if t.name in chosen and len(t.shape) == 2
                and getattr(torch, t.dtype) in DTYPES and math.prod(t.shape) > 0]
-    head = output_projection_name(folder.path, stored)
     return entries, head if head in {e.name for e in entries} else None
 
 

@@ -81,8 +81,8 @@ from infinity.errors import InvalidRequestError
 from infinity.io.native import native
 
 __all__ = ["BLOCK_SIZES", "FORMS", "FUSED_MAX_ROWS", "DequantBuffers", "QuantizedWeight",
-           "dequantize", "linear", "linear_weight_names", "output_projection_name", "quantize",
-           "round_trip"]
+           "copied_weight_names", "dequantize", "linear", "linear_weight_names",
+           "output_projection_name", "quantize", "round_trip"]
 
 FORMS = ("int8", "int4")
 BLOCK_SIZES = {"int8": 128, "int4": 64}
@@ -325,40 +325,54 @@ def linear_weight_names(folder: str, stored: Iterable[str], *,
     config.json is in `folder`: the output projection only `with_output_projection` and where it
     is not tied to the input embeddings (see the module docstring). InvalidRequestError where
     transformers cannot build the model as a causal LM."""
-    model = _meta_causal_lm(folder)
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    left_out = _weight_ids(model.get_input_embeddings())
-    if not with_output_projection:
-        left_out |= _weight_ids(model.get_output_embeddings())
-    stored = set(stored)
-    found: set[str] = set()
-    for module in model.modules():
-        linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
-        weight = getattr(module, "weight", None)
-        if not linear or not isinstance(weight, torch.Tensor) or id(weight) in left_out:
-            continue
-        found.update(name for name in names.get(id(weight), ()) if name in stored)
-    return found
+    return _linear_weight_names(_meta_causal_lm(folder), set(stored), with_output_projection)
 
 
 def output_projection_name(folder: str, stored: Iterable[str]) -> str | None:
     """The name among `stored` of the output projection's weight of the causal LM whose
     config.json is in `folder`, where it is a linear layer's weight of its own (not tied to the
     input embeddings); None otherwise."""
-    model = _meta_causal_lm(folder)
+    return _output_projection_name(_meta_causal_lm(folder), set(stored))
+
+
+def copied_weight_names(folder: str, stored: Iterable[str]) -> tuple[set[str], str | None]:
+    """What an import makes copies of: `linear_weight_names(..., with_output_projection=True)`
+    and `output_projection_name`, from one build of the model."""
+    model, names = _meta_causal_lm(folder), set(stored)
+    return _linear_weight_names(model, names, True), _output_projection_name(model, names)
+
+
+def _linear_weight_names(model: Any, stored: set[str], with_output_projection: bool) -> set[str]:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    left_out = _weight_ids(model.get_input_embeddings())
+    if not with_output_projection:
+        left_out |= _weight_ids(model.get_output_embeddings())
+    found: set[str] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not _is_linear(module) or not isinstance(weight, torch.Tensor) or id(weight) in left_out:
+            continue
+        found.update(name for name in names.get(id(weight), ()) if name in stored)
+    return found
+
+
+def _output_projection_name(model: Any, stored: set[str]) -> str | None:
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
-    linear = isinstance(head, torch.nn.Linear) or type(head).__name__ == "Conv1D"
-    if (not linear or not isinstance(weight, torch.Tensor)
+    if (not _is_linear(head) or not isinstance(weight, torch.Tensor)
             or id(weight) in _weight_ids(model.get_input_embeddings())):
         return None
-    stored = set(stored)
     for name, param in model.named_parameters(remove_duplicate=False):
         if param is weight and name in stored:
             return name
     return None
+
+
+def _is_linear(module: Any) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's, weight (in, out))."""
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def _meta_causal_lm(folder: str) -> Any:
