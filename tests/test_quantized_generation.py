@@ -297,3 +297,16 @@ def test_the_generate_command_streams_the_lm_head_copy_when_asked(daemon: Any, u
                  "--max-new-tokens", "4", "Odd prompt", *flags]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("Odd prompt") and "4 tokens" in err
+
+
+def test_the_generate_command_passes_quantized_lm_head_on(daemon: Any, folder: str,
+                                                          capsys: Any) -> None:
+    # Asked without a quantization, the flag reaches load_causal_lm, which refuses it.
+    from infinity.cli.main import main
+
+    flags = settings_as_flags(daemon.config)
+    assert main(["import", folder, "--namespace", "lm", *flags]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--namespace", "lm", "--quantized-lm-head", "Odd prompt",
+                 *flags]) == 2
+    assert "needs a quantization" in capsys.readouterr().err
